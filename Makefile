@@ -1,0 +1,31 @@
+# Two commands do all setup on a fresh machine: `make serve` and `make test`.
+# Both create (or reuse) .venv. TORCH picks the torch build: the default is the CPU wheel;
+# on a GPU machine install a CUDA build into .venv first (see README) and it is kept.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+CONFIG ?= configs/embedded.yaml
+
+.PHONY: install serve test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(PY) serve_app.py --config $(CONFIG)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
