@@ -1,0 +1,81 @@
+"""Grouped SwiGLU expert FFN for the experts one process holds.
+
+Reference (CPU path, ground truth for ``kernels/expert_ffn_triton.py``) of the expert MLP in the
+Hugging Face Mixtral/Qwen MoE implementations: ``down(silu(gate(x)) * up(x))``, weights in the
+on-disk ``(out_features, in_features)`` layout (Mixtral: w1 = gate, w3 = up, w2 = down).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def expert_ffn_reference(
+    hidden: torch.Tensor,
+    expert_counts: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    routing_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Apply each local expert to its contiguous group of rows.
+
+    Args:
+        hidden: ``(num_rows, hidden_size)`` rows grouped by local expert (expert 0's rows first).
+        expert_counts: ``(num_local_experts,)`` int64 rows per expert; sums to ``num_rows``
+            (zeros allowed).
+        w_gate: ``(num_local_experts, intermediate_size, hidden_size)``.
+        w_up: ``(num_local_experts, intermediate_size, hidden_size)``.
+        w_down: ``(num_local_experts, hidden_size, intermediate_size)``.
+        routing_weights: optional ``(num_rows,)`` float32 per-row scale applied to the output.
+
+    Returns:
+        ``(num_rows, hidden_size)`` in ``hidden.dtype``.
+
+    Raises:
+        ValueError: on inconsistent shapes or counts.
+    """
+    _check_ffn_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights)
+    out = torch.empty_like(hidden)
+    start = 0
+    for e, count in enumerate(expert_counts.tolist()):
+        if count == 0:
+            continue
+        x = hidden[start : start + count]
+        y = F.linear(F.silu(F.linear(x, w_gate[e])) * F.linear(x, w_up[e]), w_down[e])
+        if routing_weights is not None:
+            # Scale in the activation dtype after casting, as the HF reference does.
+            y = y * routing_weights[start : start + count, None].to(y.dtype)
+        out[start : start + count] = y
+        start += count
+    return out
+
+
+def _check_ffn_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be (num_rows, hidden_size), got {tuple(hidden.shape)}")
+    num_local, inter, hsize = w_gate.shape
+    if w_up.shape != w_gate.shape or w_down.shape != (num_local, hsize, inter):
+        raise ValueError(
+            f"expert weights disagree: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, down {tuple(w_down.shape)}"
+        )
+    if hidden.shape[1] != hsize:
+        raise ValueError(f"hidden size {hidden.shape[1]} != expert hidden size {hsize}")
+    if expert_counts.shape != (num_local,) or int(expert_counts.sum()) != hidden.shape[0]:
+        raise ValueError(
+            f"expert_counts {expert_counts.tolist()} must have {num_local} entries summing to {hidden.shape[0]}"
+        )
+    if routing_weights is not None and routing_weights.shape != (hidden.shape[0],):
+        raise ValueError(f"routing_weights must be ({hidden.shape[0]},), got {tuple(routing_weights.shape)}")
+
+
+def expert_ffn(hidden, expert_counts, w_gate, w_up, w_down, routing_weights=None) -> torch.Tensor:
+    """Dispatch: Triton on CUDA when enabled (see :mod:`kernels.dispatch`), the reference elsewhere."""
+    from kernels.dispatch import use_triton
+
+    if use_triton(hidden):
+        from kernels.expert_ffn_triton import expert_ffn_triton
+
+        return expert_ffn_triton(hidden, expert_counts, w_gate, w_up, w_down, routing_weights)
+    return expert_ffn_reference(hidden, expert_counts, w_gate, w_up, w_down, routing_weights)
