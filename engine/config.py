@@ -1,0 +1,191 @@
+"""Model configuration: the Hugging Face ``config.json`` normalised into one typed Struct.
+
+Supported architectures and the HF classes whose ``config.json`` they read:
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` (MoE targets) and
+``LlamaForCausalLM``, ``Qwen3ForCausalLM`` (dense drafts). Both the transformers-4 (``rope_theta``)
+and transformers-5 (``rope_parameters``) spellings are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from engine.errors import ConfigError
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = MOE_ARCHITECTURES + DENSE_ARCHITECTURES
+
+
+class MoEConfig(msgspec.Struct, frozen=True):
+    """Sparse MoE block settings.
+
+    Attributes:
+        num_experts: routed experts per MoE layer.
+        top_k: experts chosen per token.
+        intermediate_size: per-expert FFN width.
+        renormalize: divide the top-k weights by their sum (Mixtral: always; Qwen: norm_topk_prob).
+        shared_expert_intermediate_size: Qwen2-MoE shared expert width (0 = none).
+        sparse_layers: indices of the layers that are MoE (the others use a dense MLP).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    """Architecture-independent view of a decoder-only checkpoint config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+
+def load_model_config(checkpoint_dir: str | Path) -> ModelConfig:
+    """Read ``config.json`` (and ``generation_config.json`` for EOS ids) from a checkpoint directory.
+
+    Raises:
+        CheckpointError: the directory or config.json is missing or not JSON.
+        ConfigError: unknown architecture (the message lists the supported ones) or a missing or
+            unsupported field (named).
+    """
+    from engine.errors import CheckpointError
+
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no config.json (is {checkpoint_dir!s} a Hugging Face checkpoint directory?)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    gen_path = Path(checkpoint_dir) / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return parse_hf_config(raw, gen)
+
+
+def parse_hf_config(raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    """Normalise an HF config dict. See :func:`load_model_config` for errors."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"config.architectures: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    get = _field_getter(raw)
+    num_heads = get("num_attention_heads", int)
+    hidden = get("hidden_size", int)
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    num_layers = get("num_hidden_layers", int)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=get("vocab_size", int),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=int(head_dim),
+        intermediate_size=get("intermediate_size", int),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw),
+        max_position_embeddings=get("max_position_embeddings", int),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=_attention_bias(arch, raw),
+        qk_norm=arch in ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM"),
+        sliding_window=_sliding_window(arch, raw),
+        eos_token_ids=_eos_ids(raw, generation_config or {}),
+        moe=_moe_config(arch, raw, num_layers) if arch in MOE_ARCHITECTURES else None,
+    )
+
+
+def _field_getter(raw: dict[str, Any]):
+    def get(name: str, typ: type):
+        if name not in raw or raw[name] is None:
+            raise ConfigError(f"config.{name}: missing")
+        try:
+            return typ(raw[name])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.{name}: expected {typ.__name__}, got {raw[name]!r}") from e
+
+    return get
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ConfigError(f"config.rope_parameters.rope_type: {rope_type!r} is not supported (supported: 'default')")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def _attention_bias(arch: str, raw: dict[str, Any]) -> bool:
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(raw.get("qkv_bias", True))  # Qwen2 always had q/k/v biases; v5 names the flag
+    return bool(raw.get("attention_bias", False))
+
+
+def _sliding_window(arch: str, raw: dict[str, Any]) -> int | None:
+    if arch.startswith("Qwen") and not raw.get("use_sliding_window", False):
+        return None
+    window = raw.get("sliding_window")
+    return int(window) if window else None
+
+
+def _eos_ids(raw: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
+    eos = gen.get("eos_token_id", raw.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
+    get = _field_getter(raw)
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=get("num_local_experts", int),
+            top_k=get("num_experts_per_tok", int),
+            intermediate_size=get("intermediate_size", int),
+            renormalize=True,
+            sparse_layers=tuple(range(num_layers)),
+        )
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(raw.get("mlp_only_layers") or [])
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; hub configs use num_experts.
+    num_experts = get("num_experts" if "num_experts" in raw else "num_local_experts", int)
+    sparse = tuple(i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=get("num_experts_per_tok", int),
+        intermediate_size=get("moe_intermediate_size", int),
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared,
+        sparse_layers=sparse,
+    )

@@ -1,0 +1,13 @@
+"""Errors the engine raises for bad input; each names its culprit (field path, tensor or file)."""
+
+
+class SpecmoeError(ValueError):
+    """Base class: bad input to specmoe (a ValueError, so callers may treat it as one)."""
+
+
+class ConfigError(SpecmoeError):
+    """A model or YAML config is invalid; the message names the field path."""
+
+
+class CheckpointError(SpecmoeError):
+    """A checkpoint is missing, corrupt or inconsistent; the message names the file or tensor."""

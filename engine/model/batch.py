@@ -1,0 +1,87 @@
+"""Metadata of one ragged forward pass: several sequences, each with its own new tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tokens of ``num_seqs`` sequences, each appending ``query_lens[b]`` tokens.
+
+    Attributes:
+        input_ids: ``(num_tokens,)`` int64, sequences concatenated in batch order.
+        positions: ``(num_tokens,)`` int64 absolute positions (RoPE and cache index).
+        slots: ``(num_seqs,)`` int64 KV cache slot of each sequence.
+        query_lens: tokens appended per sequence (prefill: the prompt; decode: 1; verify: k + 1).
+        seq_lens: cached length of each sequence after this pass.
+        token_seq: ``(num_tokens,)`` int64 batch index of each token.
+        token_qidx: ``(num_tokens,)`` int64 index of each token within its sequence's new tokens.
+        logits_indices: ``(num_logits,)`` int64 rows of the flattened tokens that need logits.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+    token_seq: torch.Tensor
+    token_qidx: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @classmethod
+    def build(
+        cls,
+        slots: list[int],
+        new_tokens: list[list[int]],
+        start_positions: list[int],
+        logits: str = "last",
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Build the metadata.
+
+        Args:
+            slots: KV slot per sequence.
+            new_tokens: tokens to append per sequence (each non-empty).
+            start_positions: cached length of each sequence before this pass.
+            logits: "last" (one row per sequence) or "all" (every new token, for verification).
+
+        Raises:
+            ValueError: empty token list or mismatched lengths.
+        """
+        if not (len(slots) == len(new_tokens) == len(start_positions)) or not slots:
+            raise ValueError("slots, new_tokens and start_positions must be non-empty and equally long")
+        if any(len(t) == 0 for t in new_tokens):
+            raise ValueError("every sequence in a forward batch needs at least one new token")
+        query_lens = [len(t) for t in new_tokens]
+        flat = [tok for toks in new_tokens for tok in toks]
+        positions = [s + i for s, n in zip(start_positions, query_lens) for i in range(n)]
+        token_seq = [b for b, n in enumerate(query_lens) for _ in range(n)]
+        token_qidx = [i for n in query_lens for i in range(n)]
+        ends = torch.tensor(query_lens).cumsum(0)
+        if logits == "last":
+            logits_indices = ends - 1
+        elif logits == "all":
+            logits_indices = torch.arange(len(flat))
+        else:
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=t(flat),
+            positions=t(positions),
+            slots=t(slots),
+            query_lens=query_lens,
+            seq_lens=[s + n for s, n in zip(start_positions, query_lens)],
+            token_seq=t(token_seq),
+            token_qidx=t(token_qidx),
+            logits_indices=logits_indices.to(device),
+        )

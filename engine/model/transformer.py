@@ -1,0 +1,169 @@
+"""Decoder-only transformer (Llama/Mixtral/Qwen families) computing what the HF reference computes.
+
+A pure model in the gpt-fast spirit: weights are plain tensors read by on-disk name, the forward is
+ragged (several sequences with different numbers of new tokens, see :class:`ForwardBatch`) over a
+slot KV cache, and MoE experts are reached through an :class:`ExpertExecutor` applied from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.checkpoint import CheckpointReader
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.model.batch import ForwardBatch
+from engine.model.layers import Rotary, apply_rotary, attention, rms_norm, swiglu
+from engine.model.moe import ExpertExecutor
+from engine.model.names import layer_prefix, mlp_names, moe_prefix, router_name
+from kernels.routing import topk_routing
+
+
+@dataclass
+class _Attention:
+    wq: torch.Tensor  # (num_heads * head_dim, hidden)
+    wk: torch.Tensor  # (num_kv_heads * head_dim, hidden)
+    wv: torch.Tensor  # (num_kv_heads * head_dim, hidden)
+    wo: torch.Tensor  # (hidden, num_heads * head_dim)
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # (head_dim,) Qwen3
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class _Layer:
+    attn: _Attention
+    input_norm: torch.Tensor  # (hidden,)
+    post_attn_norm: torch.Tensor  # (hidden,)
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # dense (gate, up, down)
+    router: torch.Tensor | None = None  # (num_experts, hidden)
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # Qwen2-MoE shared expert
+    shared_gate: torch.Tensor | None = None  # (1, hidden)
+
+
+class Transformer:
+    """The target or draft model.
+
+    Args:
+        config: normalised model config.
+        reader: checkpoint; routed expert weights are NOT read here (they belong to the executor).
+        experts: executor for MoE layers (required for MoE configs).
+        dtype, device: parameter and activation dtype/device.
+
+    Raises:
+        CheckpointError: a missing tensor or a shape mismatch (names the tensor).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        reader: CheckpointReader,
+        experts: ExpertExecutor | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if config.is_moe and experts is None:
+            raise ValueError(f"{config.architecture} is an MoE model: pass an ExpertExecutor")
+        self.config, self.experts, self.dtype, self.device = config, experts, dtype, device
+        load = _Loader(reader, dtype, device)
+        c = config
+        self.embed = load("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.norm = load("model.norm.weight", (c.hidden_size,))
+        self.lm_head = self.embed if c.tie_word_embeddings else load("lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.layers = [self._load_layer(load, i) for i in range(c.num_layers)]
+        self.rotary = Rotary(c.head_dim, c.rope_theta, device)
+
+    def _load_layer(self, load: _Loader, i: int) -> _Layer:
+        c, p = self.config, layer_prefix(i)
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        a = p + "self_attn."
+        # Llama/Qwen3 put attention_bias on o_proj too; Qwen2 biases only q/k/v.
+        o_bias = c.attention_bias and c.architecture != "Qwen2MoeForCausalLM"
+        attn = _Attention(
+            wq=load(a + "q_proj.weight", (q_out, c.hidden_size)),
+            wk=load(a + "k_proj.weight", (kv_out, c.hidden_size)),
+            wv=load(a + "v_proj.weight", (kv_out, c.hidden_size)),
+            wo=load(a + "o_proj.weight", (c.hidden_size, q_out)),
+            bq=load(a + "q_proj.bias", (q_out,)) if c.attention_bias else None,
+            bk=load(a + "k_proj.bias", (kv_out,)) if c.attention_bias else None,
+            bv=load(a + "v_proj.bias", (kv_out,)) if c.attention_bias else None,
+            bo=load(a + "o_proj.bias", (c.hidden_size,)) if o_bias else None,
+            q_norm=load(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+            k_norm=load(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+        )
+        layer = _Layer(attn, load(p + "input_layernorm.weight", (c.hidden_size,)),
+                       load(p + "post_attention_layernorm.weight", (c.hidden_size,)))
+        if c.moe is not None and i in c.moe.sparse_layers:
+            layer.router = load(router_name(c, i), (c.moe.num_experts, c.hidden_size))
+            if c.moe.shared_expert_intermediate_size:
+                sp = moe_prefix(c, i) + "shared_expert."
+                layer.shared = load.mlp(sp, c.moe.shared_expert_intermediate_size, c.hidden_size)
+                layer.shared_gate = load(moe_prefix(c, i) + "shared_expert_gate.weight", (1, c.hidden_size))
+        else:
+            layer.mlp = load.mlp(p + "mlp.", c.intermediate_size, c.hidden_size)
+        return layer
+
+    def new_kv_cache(self, max_seqs: int, max_len: int | None = None) -> KVCache:
+        """A cache sized for this model; ``max_len`` defaults to the context window."""
+        c = self.config
+        return KVCache(c.num_layers, max_seqs, max_len or c.max_position_embeddings, c.num_kv_heads,
+                       c.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Run new tokens of every sequence in ``batch`` and return float32 logits.
+
+        Returns:
+            ``(len(batch.logits_indices), vocab_size)`` float32 logits of the selected rows.
+        """
+        x = F.embedding(batch.input_ids, self.embed)  # (num_tokens, hidden)
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, self.config.rms_norm_eps)
+            x = x + self._attention(layer.attn, h, cos, sin, kv.k[i], kv.v[i], batch)
+            h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
+            x = x + self._mlp(i, layer, h)
+        x = rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(self, a: _Attention, h, cos, sin, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        c, n = self.config, h.shape[0]
+        q = F.linear(h, a.wq, a.bq).view(n, c.num_heads, c.head_dim)
+        k = F.linear(h, a.wk, a.bk).view(n, c.num_kv_heads, c.head_dim)
+        v = F.linear(h, a.wv, a.bv).view(n, c.num_kv_heads, c.head_dim)
+        if a.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q = rms_norm(q, a.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, a.k_norm, c.rms_norm_eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, k_cache, v_cache, batch, c.sliding_window)
+        return F.linear(out.reshape(n, c.num_heads * c.head_dim), a.wo, a.bo)
+
+    def _mlp(self, i: int, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        if layer.router is None:
+            return swiglu(h, *layer.mlp)
+        moe = self.config.moe
+        routing = topk_routing(F.linear(h, layer.router), moe.top_k, moe.renormalize)
+        out = self.experts.execute(i, h, routing)
+        if layer.shared is not None:
+            out = out + torch.sigmoid(F.linear(h, layer.shared_gate)) * swiglu(h, *layer.shared)
+        return out
+
+
+class _Loader:
+    """Reads named tensors with shape checks into the model dtype/device."""
+
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device) -> None:
+        self.reader, self.dtype, self.device = reader, dtype, device
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.reader.get(name, shape, self.dtype, self.device)
+
+    def mlp(self, prefix: str, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g, u, d = mlp_names(prefix)
+        return self(g, (inter, hidden)), self(u, (inter, hidden)), self(d, (hidden, inter))
