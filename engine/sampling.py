@@ -1,0 +1,146 @@
+"""The exact distributions the draft and target models sample from, and per-request randomness.
+
+:func:`compute_probs` turns logits into the distribution a request samples from. Speculative
+decoding is lossless only if the verifier's ``p`` is precisely the distribution the target model
+would have sampled from without speculation, so both the draft ``q`` and the target ``p`` come
+from this one function (Leviathan et al. 2023, Section 2.3 and Appendix A.1).
+
+Randomness is per request: each request owns a CPU ``torch.Generator`` (:func:`make_generator`)
+and draws its uniforms from it (:func:`draw_uniforms`), so a request's output depends only on its
+seed, never on which other requests share its batch or on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def compute_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Sampling distribution per row: temperature, then top-k, then top-p, then renormalise.
+
+    The order is that of Hugging Face ``generate`` and vLLM. Per row:
+
+    * ``temperature == 0``: the one-hot of ``argmax(logits)`` (ties to the lower token id).
+    * otherwise ``logits / temperature``; then top-k keeps the ``k`` largest logits, equal logits
+      ordered by token id so exactly ``k`` survive (``k <= 0`` or ``k >= V`` disables it); then
+      top-p (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration") keeps the
+      smallest prefix of the survivors, sorted by probability descending and then by token id,
+      whose cumulative probability is ``>= top_p`` (always at least one token; ``top_p >= 1``
+      disables it); finally a softmax over the kept logits.
+
+    Args:
+        logits: ``(B, V)`` or ``(B, S, V)`` float (any float dtype; computed in float32).
+        temperature: ``(B,)`` float32, ``>= 0``.
+        top_k: ``(B,)`` int64; ``<= 0`` disables.
+        top_p: ``(B,)`` float32 in ``(0, 1]``.
+
+    Returns:
+        float32 probabilities of ``logits``' shape; the per-row parameters apply to all ``S``
+        positions of a ``(B, S, V)`` input.
+
+    Raises:
+        ValueError: if ``logits`` is not 2-D/3-D or the parameter shapes are not ``(B,)``.
+    """
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must be (B, V) or (B, S, V), got {tuple(logits.shape)}")
+    batch = logits.shape[0]
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if tuple(t.shape) != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},), got {tuple(t.shape)}")
+    shape = logits.shape
+    steps = shape[1] if logits.dim() == 3 else 1
+    flat = logits.reshape(-1, shape[-1]).float()
+    # Expand the per-request parameters to one value per flattened row.
+    temperature = temperature.to(flat.device, torch.float32).repeat_interleave(steps)
+    top_k = top_k.to(flat.device, torch.int64).repeat_interleave(steps)
+    top_p = top_p.to(flat.device, torch.float32).repeat_interleave(steps)
+
+    is_greedy = temperature == 0
+    # Greedy rows are replaced below; dividing them by 1 keeps their arithmetic finite.
+    scaled = flat / torch.where(is_greedy, 1.0, temperature)[:, None]
+    scaled = _truncate(scaled, top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    one_hot = torch.zeros_like(probs).scatter_(-1, greedy_argmax(flat)[:, None], 1.0)
+    probs = torch.where(is_greedy[:, None], one_hot, probs)
+    return probs.reshape(shape)
+
+
+def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set the logits that top-k/top-p drop to -inf. ``scaled``: ``(N, V)`` float32."""
+    vocab = scaled.shape[-1]
+    use_k = (top_k > 0) & (top_k < vocab)
+    use_p = top_p < 1
+    if not bool((use_k | use_p).any()):
+        return scaled  # skip the O(V log V) sort when no row truncates
+    # Stable descending sort: equal logits stay in token-id order, so tie breaks are by lower id.
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    drop = use_k[:, None] & (rank >= top_k[:, None])
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    # Top-p on the top-k survivors' renormalised distribution. A token is kept iff the mass
+    # strictly before it is < top_p: that is the smallest prefix reaching top_p, and rank 0
+    # (mass before = 0 < top_p) always survives.
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop = use_p[:, None] & (mass_before >= top_p[:, None])
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dim, ties to the lower token id. Returns int64 of ``logits.shape[:-1]``.
+
+    ``torch.argmax`` is documented to return the first maximal index, which is the lower id.
+    """
+    return torch.argmax(logits, dim=-1)
+
+
+def top_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of chosen tokens and the top-k alternatives, from the *raw* logits.
+
+    vLLM's default logprobs semantics: ``log_softmax`` of the model's logits before temperature
+    and truncation, so the values do not depend on the sampling parameters.
+
+    Args:
+        logits: ``(N, V)`` float.
+        token_ids: ``(N,)`` int64 sampled tokens.
+        k: number of alternatives, ``>= 0``.
+
+    Returns:
+        ``token_logprob``: ``(N,)`` float32; ``top_ids``: ``(N, k)`` int64, descending, ties to
+        the lower id; ``top_logprobs``: ``(N, k)`` float32.
+
+    Raises:
+        ValueError: on bad shapes or ``k`` outside ``[0, V]``.
+    """
+    if logits.dim() != 2 or tuple(token_ids.shape) != logits.shape[:1]:
+        raise ValueError(f"logits must be (N, V) and token_ids (N,), got {tuple(logits.shape)} "
+                         f"and {tuple(token_ids.shape)}")
+    if not 0 <= k <= logits.shape[1]:
+        raise ValueError(f"k must be in [0, {logits.shape[1]}], got {k}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    token_logprob = logprobs.gather(-1, token_ids.long()[:, None]).squeeze(-1)
+    # torch.topk leaves the order of ties unspecified; a stable sort makes it the lower id.
+    top_values, top_ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return token_logprob, top_ids[:, :k].contiguous(), top_values[:, :k].contiguous()
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator for one request, seeded with ``seed`` or, when None, nondeterministically."""
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def draw_uniforms(gen: torch.Generator, n: int) -> torch.Tensor:
+    """``(n,)`` float32 uniforms in ``[0, 1)`` from ``gen`` only (on CPU; move them as needed)."""
+    return torch.rand(n, generator=gen, dtype=torch.float32)
