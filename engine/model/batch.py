@@ -41,7 +41,7 @@ class ForwardBatch:
         slots: list[int],
         new_tokens: list[list[int]],
         start_positions: list[int],
-        logits: str = "last",
+        logits: str | list[int] = "last",
         device: torch.device | str = "cpu",
     ) -> ForwardBatch:
         """Build the metadata.
@@ -50,7 +50,8 @@ class ForwardBatch:
             slots: KV slot per sequence.
             new_tokens: tokens to append per sequence (each non-empty).
             start_positions: cached length of each sequence before this pass.
-            logits: "last" (one row per sequence) or "all" (every new token, for verification).
+            logits: "last" (one row per sequence), "all" (every new token), or a count per sequence:
+                its last ``logits[b]`` new tokens (prefill: 1; verification: k + 1).
 
         Raises:
             ValueError: empty token list or mismatched lengths.
@@ -64,13 +65,18 @@ class ForwardBatch:
         positions = [s + i for s, n in zip(start_positions, query_lens) for i in range(n)]
         token_seq = [b for b, n in enumerate(query_lens) for _ in range(n)]
         token_qidx = [i for n in query_lens for i in range(n)]
-        ends = torch.tensor(query_lens).cumsum(0)
         if logits == "last":
-            logits_indices = ends - 1
+            logits = [1] * len(query_lens)
         elif logits == "all":
-            logits_indices = torch.arange(len(flat))
-        else:
-            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+            logits = query_lens
+        elif isinstance(logits, str) or len(logits) != len(query_lens):
+            raise ValueError(f"logits must be 'last', 'all' or one count per sequence, got {logits!r}")
+        ends = torch.tensor(query_lens).cumsum(0).tolist()
+        logits_indices = torch.tensor(
+            [i for end, n, q in zip(ends, logits, query_lens) if 1 <= n <= q for i in range(end - n, end)]
+        )
+        if len(logits_indices) != sum(logits):
+            raise ValueError(f"logit counts {logits} must be in [1, query length] per sequence")
 
         def t(x):
             return torch.tensor(x, dtype=torch.int64, device=device)

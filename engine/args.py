@@ -1,0 +1,71 @@
+"""Engine configuration (a msgspec Struct, so YAML configs are validated with field paths)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from engine.drafters.base import Drafter, NoneDrafter
+from engine.drafters.ngram import NgramDrafter
+from engine.errors import ConfigError
+from engine.loader import LoadedModel, load_model
+from engine.sampling_params import MAX_SPECULATIVE_TOKENS
+from engine.scheduler import SchedulerConfig
+
+DEFAULT_K = 4
+
+
+class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What to load and how to run it.
+
+    Attributes:
+        model: target checkpoint directory.
+        draft_model: draft checkpoint directory (needed by ``speculative_method="draft"``).
+        speculative_method: "draft", "ngram" or None (plain decoding). Defaults to "draft" when a
+            draft model is given.
+        num_speculative_tokens: default draft length k (0..16); None means 4 with a method.
+        dtype: "float32", "bfloat16" or "float16".
+        device: torch device string, e.g. "cpu" or "cuda".
+        max_model_len: context window; None uses the target's ``max_position_embeddings``.
+        ngram_min_n, ngram_max_n: n-gram sizes of the prompt-lookup drafter.
+        scheduler: batching limits.
+    """
+
+    model: str
+    draft_model: str | None = None
+    speculative_method: Literal["draft", "ngram"] | None = None
+    num_speculative_tokens: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is None and self.draft_model is not None:
+            self.speculative_method = "draft"
+        if self.speculative_method == "draft" and self.draft_model is None:
+            raise ConfigError("speculative_method: 'draft' needs draft_model")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_K if self.speculative_method else 0
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                              f"got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ConfigError("ngram_min_n/ngram_max_n: need 1 <= ngram_min_n <= ngram_max_n")
+
+    def build_drafter(self, target: LoadedModel, max_model_len: int) -> Drafter:
+        """The drafter this config names, sized like the target's scheduler."""
+        if self.speculative_method == "ngram":
+            return NgramDrafter(self.ngram_min_n, self.ngram_max_n)
+        if self.speculative_method == "draft":
+            from engine.drafters.draft_model import DraftModelDrafter
+
+            draft = load_model(self.draft_model, self.dtype, self.device)
+            if draft.config.vocab_size != target.config.vocab_size:
+                raise ConfigError(f"draft_model: vocab size {draft.config.vocab_size} differs from the "
+                                  f"target's {target.config.vocab_size} (they must share a tokenizer)")
+            return DraftModelDrafter(draft, self.scheduler.max_num_seqs, max_model_len)
+        return NoneDrafter()

@@ -1,0 +1,114 @@
+"""Draft-model drafter: a small dense model proposes k tokens autoregressively.
+
+Its KV cache is a cache in the strict sense: per sequence it remembers which tokens it holds, and
+each proposal first syncs to the sequence's current tokens (longest common prefix kept, the rest
+fed again). Rejected drafts are rolled back by that sync, and a sequence it has never seen (new
+replica, restart, eviction) is simply re-prefilled, so any drafter instance can serve any sequence.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from engine.drafters.base import DraftProposal, DraftRequest
+from engine.loader import LoadedModel
+from engine.model import ForwardBatch
+from engine.sampling import compute_probs, draw_uniforms, greedy_argmax
+from kernels.rejection import inverse_cdf_sample
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModelDrafter:
+    """Proposes tokens with a draft model sharing the target's tokenizer.
+
+    Args:
+        draft: the loaded draft model.
+        max_seqs: sequences whose KV the drafter keeps; the least recently used is evicted.
+        max_len: context window of the draft cache.
+    """
+
+    def __init__(self, draft: LoadedModel, max_seqs: int, max_len: int | None = None) -> None:
+        self.draft = draft
+        self.kv = draft.model.new_kv_cache(max_seqs, max_len)
+        self._slots: OrderedDict[str, int] = OrderedDict()
+        self._cached: dict[str, list[int]] = {}
+        self.num_cache_misses = 0
+
+    def release(self, seq_id: str) -> None:
+        """Forget a sequence (finished or cancelled) and free its slot."""
+        slot = self._slots.pop(seq_id, None)
+        if slot is not None:
+            self.kv.free(slot)
+        self._cached.pop(seq_id, None)
+
+    def _slot_for(self, seq_id: str, pinned: set[str]) -> int:
+        if seq_id in self._slots:
+            self._slots.move_to_end(seq_id)
+            return self._slots[seq_id]
+        self.num_cache_misses += 1
+        if self.kv.num_free == 0:
+            victim = next(s for s in self._slots if s not in pinned)
+            self.release(victim)
+        slot = self.kv.allocate()
+        self._slots[seq_id] = slot
+        self._cached[seq_id] = []
+        return slot
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        """Draft ``request.k`` tokens for each request (batched, k forwards at most)."""
+        if not requests:
+            return []
+        pinned = {r.seq_id for r in requests}
+        slots, feeds, starts = [], [], []
+        for r in requests:
+            slot = self._slot_for(r.seq_id, pinned)
+            # Keep the common prefix, but always re-feed at least the newest token for its logits.
+            keep = min(_common_prefix(self._cached[r.seq_id], r.token_ids), len(r.token_ids) - 1)
+            self.kv.truncate(slot, min(keep, self.kv.lengths[slot]))
+            slots.append(slot)
+            feeds.append(r.token_ids[keep:])
+            starts.append(keep)
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = list(range(len(requests)))
+        for step in range(max(r.k for r in requests)):
+            for b in active:
+                self.kv.reserve(slots[b], starts[b] + len(feeds[b]))
+            batch = ForwardBatch.build([slots[b] for b in active], [feeds[b] for b in active],
+                                       [starts[b] for b in active])
+            logits = self.draft.model.forward(batch, self.kv)  # (len(active), vocab)
+            for row, b in enumerate(active):
+                token, q = self._sample(requests[b], logits[row])
+                tokens[b].append(token)
+                if q is not None:
+                    probs[b].append(q)
+                starts[b] += len(feeds[b])
+                feeds[b] = [token]
+            active = [b for b in active if requests[b].k > step + 1]
+            if not active:
+                break
+        for b, r in enumerate(requests):
+            # The cache now holds the tokens plus every draft except the last one.
+            self._cached[r.seq_id] = r.token_ids + tokens[b][:-1]
+            self.kv.truncate(slots[b], len(self._cached[r.seq_id]))
+        return [DraftProposal(tokens[b], torch.stack(probs[b]) if probs[b] else None) for b in range(len(requests))]
+
+    def _sample(self, r: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Greedy: argmax, no q needed. Sampling: q from the same temperature/top-k/top-p rule
+        the target uses, drawn with the request's own generator."""
+        if r.temperature == 0 or r.generator is None:
+            return int(greedy_argmax(logits[None])[0]), None
+        q = compute_probs(logits[None], torch.tensor([r.temperature]), torch.tensor([r.top_k]),
+                          torch.tensor([r.top_p], dtype=torch.float32))
+        token = inverse_cdf_sample(q, draw_uniforms(r.generator, 1))
+        return int(token[0]), q[0]

@@ -1,0 +1,101 @@
+"""Offline batch API in vLLM's shape: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine.args import EngineArgs
+from engine.engine import LLMEngine
+from engine.loader import load_model
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerConfig
+
+
+def build_engine(args: EngineArgs) -> LLMEngine:
+    """Load the target (experts in-process) and the drafter ``args`` names."""
+    target = load_model(args.model, args.dtype, args.device)
+    max_len = args.max_model_len or target.config.max_position_embeddings
+    drafter = args.build_drafter(target, max_len)
+    return LLMEngine(target, drafter, args.num_speculative_tokens, args.scheduler, max_len)
+
+
+class LLM:
+    """Generate for many prompts at once through the continuous-batching speculative engine.
+
+    Args:
+        model: target checkpoint directory.
+        draft_model, speculative_method, num_speculative_tokens, dtype, device, max_model_len: see
+            :class:`engine.args.EngineArgs`.
+        max_num_seqs, max_num_batched_tokens, spec_disable_batch_size: scheduler limits.
+
+    Example:
+        >>> llm = LLM(model="checkpoints/stdlib-moe-target", draft_model="checkpoints/stdlib-draft")
+        >>> out = llm.generate(["def add(a, b):"], SamplingParams(temperature=0.0, max_tokens=16))
+        >>> out[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str,
+        draft_model: str | None = None,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 4096,
+        spec_disable_batch_size: int = 0,
+    ) -> None:
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_waiting=1 << 20, spec_disable_batch_size=spec_disable_batch_size)
+        self.args = EngineArgs(model=model, draft_model=draft_model, speculative_method=speculative_method,
+                               num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
+                               max_model_len=max_model_len, scheduler=sched)
+        self.engine = build_engine(self.args)
+        self.tokenizer = self.engine.target.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
+
+        Raises:
+            ValueError: bad prompt or parameters (see :meth:`LLMEngine.add_request`).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        requests = []
+        for prompt, p in zip(prompts, params):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+            requests.append(self.engine.add_request(f"offline-{next(self._ids)}", ids, p, prompt=text))
+        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
+            done = 0
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+                now = sum(r.finished for r in requests)
+                bar.update(now - done)
+                done = now
+        return requests
+
+    def get_metrics(self) -> dict:
+        """Engine totals (see :meth:`LLMEngine.get_metrics`)."""
+        return self.engine.get_metrics()

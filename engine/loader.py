@@ -1,0 +1,84 @@
+"""Load a checkpoint directory into a ready model, tokenizer and generation settings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from engine.checkpoint import CheckpointReader
+from engine.config import ModelConfig, load_model_config
+from engine.errors import CheckpointError, ConfigError
+from engine.model import ExpertExecutor, ExpertStore, LocalExpertExecutor, Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` or a torch dtype; raises ConfigError otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    """A model with what serving it needs."""
+
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    reader: CheckpointReader
+    chat_template: str | None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.config.eos_token_ids[0] if self.config.eos_token_ids else None
+
+
+def load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:
+    """``tokenizer.json`` and the chat template from ``tokenizer_config.json`` if any."""
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise CheckpointError(f"{path}: no tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises a bare Exception on parse errors
+        raise CheckpointError(f"{tok_file}: cannot be parsed ({e})") from e
+    template = None
+    cfg = path / "tokenizer_config.json"
+    if cfg.is_file():
+        template = json.loads(cfg.read_text()).get("chat_template")
+    return tokenizer, template
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    experts: ExpertExecutor | None = None,
+) -> LoadedModel:
+    """Load a checkpoint; MoE experts run in-process unless another executor is given.
+
+    Raises:
+        CheckpointError / ConfigError: see :class:`CheckpointReader` and :func:`load_model_config`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    torch_dtype = resolve_dtype(dtype)
+    config = load_model_config(path)
+    reader = CheckpointReader(path)
+    if config.is_moe and experts is None:
+        store = ExpertStore(reader, config, dtype=torch_dtype, device=device)
+        store.load_all()
+        experts = LocalExpertExecutor(store)
+    model = Transformer(config, reader, experts, torch_dtype, device)
+    tokenizer, template = load_tokenizer(path)
+    return LoadedModel(path, config, model, tokenizer, reader, template)

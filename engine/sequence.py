@@ -1,0 +1,64 @@
+"""A sequence being generated: one of a request's ``n`` samples, with its own generator and KV slot."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import SequenceOutputState
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Mutable state of one sequence.
+
+    Attributes:
+        num_cached: tokens of ``token_ids`` whose keys/values are in the target KV cache. Outside a
+            step this is ``len(token_ids) - 1`` for a running sequence: the newest token is fed in
+            the next step together with the draft tokens.
+        slot: target KV cache slot while running, else None.
+    """
+
+    seq_id: str
+    index: int
+    request: RequestOutput
+    params: SamplingParams
+    state: SequenceOutputState
+    generator: torch.Generator | None
+    k: int
+    completion: CompletionOutput
+    status: SeqStatus = SeqStatus.WAITING
+    slot: int | None = None
+    num_cached: int = 0
+    logprob_rows: list = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by the output tokens kept so far."""
+        return self.request.prompt_token_ids + self.state.token_ids
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_cached == 0 and not self.state.token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.state.token_ids)

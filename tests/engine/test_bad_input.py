@@ -1,0 +1,85 @@
+"""Bad checkpoints and configs fail with a clear error naming the culprit."""
+
+import json
+import shutil
+
+import pytest
+
+from engine.args import EngineArgs
+from engine.errors import CheckpointError, ConfigError
+from engine.loader import load_model
+from engine.yaml_config import load_yaml
+
+
+@pytest.fixture
+def ckpt(tiny_checkpoints, tmp_path):
+    src, _ = tiny_checkpoints["mixtral"]
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_unknown_architecture_lists_supported(ckpt):
+    _edit_config(ckpt, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel.*MixtralForCausalLM.*Qwen3MoeForCausalLM.*LlamaForCausalLM"):
+        load_model(ckpt)
+
+
+def test_missing_tensor_is_named(ckpt):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight.*missing"):
+        load_model(ckpt)
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(ckpt):
+    _edit_config(ckpt, hidden_size=40)
+    with pytest.raises(CheckpointError, match=r"model\.embed_tokens\.weight.*\(128, 32\).*\(128, 40\)"):
+        load_model(ckpt)
+
+
+def test_truncated_safetensors(ckpt):
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(ckpt)
+
+
+def test_corrupt_safetensors_header(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_model(ckpt)
+
+
+def test_missing_checkpoint_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_yaml_unknown_field_names_path(tmp_path):
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 4\n  max_num_seq: 5\n")
+    with pytest.raises(ConfigError, match=r"max_num_seq.*\$\.scheduler"):
+        load_yaml(cfg, EngineArgs)
+
+
+def test_yaml_out_of_range_field_names_it(tmp_path):
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 0\n")
+    with pytest.raises(ConfigError, match=r"max_num_seqs"):
+        load_yaml(cfg, EngineArgs)
+    cfg.write_text("model: /x\nnum_speculative_tokens: 17\nspeculative_method: ngram\n")
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens"):
+        load_yaml(cfg, EngineArgs)
+    cfg.write_text("model: /x\nspeculative_method: medusa\n")
+    with pytest.raises(ConfigError, match=r"\$\.speculative_method"):
+        load_yaml(cfg, EngineArgs)
