@@ -1,0 +1,1 @@
+"""Drafters: propose draft tokens for speculative decoding (see :mod:`engine.drafters.base`)."""
