@@ -1,0 +1,129 @@
+"""compute_probs, greedy_argmax, top_logprobs and per-request generators on hand-sized examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampling import compute_probs, draw_uniforms, greedy_argmax, make_generator, top_logprobs
+
+
+def probs_of(logits, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """compute_probs on one (V,) row with scalar parameters."""
+    return compute_probs(torch.tensor([logits], dtype=torch.float32), torch.tensor([temperature]),
+                         torch.tensor([top_k]), torch.tensor([top_p]))[0]
+
+
+LOG_P = [math.log(x) for x in (0.5, 0.2, 0.2, 0.1)]  # softmax(LOG_P) = [.5, .2, .2, .1]
+
+
+def test_plain_softmax_and_temperature_scaling():
+    logits = [1.0, 2.0, -0.5, 0.0]
+    for t in (1.0, 0.5, 2.0):
+        expected = torch.softmax(torch.tensor(logits) / t, dim=-1)
+        torch.testing.assert_close(probs_of(logits, temperature=t), expected)
+
+
+def test_temperature_zero_is_one_hot_argmax_with_ties_to_lower_id():
+    assert probs_of([1.0, 3.0, 2.0, 3.0], temperature=0.0).tolist() == [0, 1, 0, 0]
+    # Truncation settings do not matter for greedy rows.
+    assert probs_of([0.0, 0.0, 5.0], temperature=0.0, top_k=1, top_p=0.1).tolist() == [0, 0, 1]
+
+
+def test_top_k_keeps_exactly_k_with_ties_toward_lower_id():
+    logits = [1.0, 3.0, 2.0, 3.0, 0.0]
+    p = probs_of(logits, top_k=2)
+    assert p.tolist() == pytest.approx([0, 0.5, 0, 0.5, 0])
+    p = probs_of(logits, top_k=1)  # the tie 1/3 at the k-th value: only the lower id survives
+    assert p.tolist() == [0, 1, 0, 0, 0]
+    p = probs_of(logits, top_k=3)
+    e = [math.exp(3), math.exp(2), math.exp(3)]
+    assert p.tolist() == pytest.approx([0, e[0] / sum(e), e[1] / sum(e), e[2] / sum(e), 0])
+    full = torch.softmax(torch.tensor(logits), dim=-1)
+    for disabled in (0, -1, 5, 100):
+        torch.testing.assert_close(probs_of(logits, top_k=disabled), full)
+
+
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [
+        (0.4, [1, 0, 0, 0]),  # 0.5 alone reaches 0.4
+        (0.5, [1, 0, 0, 0]),  # exactly reached by the first token: >= top_p, stop there
+        (0.65, [0.5 / 0.7, 0.2 / 0.7, 0, 0]),  # tie 0.2/0.2: token 1 (lower id) is taken first
+        (0.8, [0.5 / 0.9, 0.2 / 0.9, 0.2 / 0.9, 0]),
+        (0.95, [0.5, 0.2, 0.2, 0.1]),
+        (1.0, [0.5, 0.2, 0.2, 0.1]),
+    ],
+)
+def test_top_p_keeps_smallest_prefix_reaching_top_p(top_p, expected):
+    assert probs_of(LOG_P, top_p=top_p).tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_top_p_tie_order_is_by_token_id_even_when_ids_are_reversed():
+    # Tokens 3 and 1 tie at 0.3; 0.4 + 0.3 reaches 0.6 with the lower id (1) first.
+    logits = [math.log(x) for x in (0.4, 0.3, 0.0 + 1e-30, 0.3)]
+    assert probs_of(logits, top_p=0.6).tolist() == pytest.approx([0.4 / 0.7, 0.3 / 0.7, 0, 0])
+
+
+def test_order_is_temperature_then_top_k_then_top_p():
+    # top-k=2 renormalises [.5, .2] to [.714, .286]; top-p 0.7 is then reached by token 0 alone.
+    assert probs_of(LOG_P, top_k=2, top_p=0.7).tolist() == [1, 0, 0, 0]
+    # Temperature first: at T=2 the distribution flattens, so top-p 0.7 needs three tokens.
+    p = probs_of(LOG_P, temperature=2.0, top_p=0.7)
+    flat = torch.softmax(torch.tensor(LOG_P) / 2, dim=-1)
+    assert flat[:2].sum() < 0.7 <= flat[:3].sum()
+    assert p.tolist() == pytest.approx((flat * torch.tensor([1, 1, 1, 0]) / flat[:3].sum()).tolist())
+
+
+def test_batched_rows_and_three_dimensional_logits():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 9, generator=gen)
+    temperature = torch.tensor([0.0, 0.8, 1.5])
+    top_k = torch.tensor([0, 3, -1])
+    top_p = torch.tensor([1.0, 1.0, 0.6])
+    probs = compute_probs(logits, temperature, top_k, top_p)
+    assert probs.shape == (3, 4, 9) and probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, 4))
+    for b in range(3):
+        for s in range(4):
+            row = compute_probs(logits[b, s][None], temperature[b:b + 1], top_k[b:b + 1], top_p[b:b + 1])
+            torch.testing.assert_close(probs[b, s], row[0])
+    assert ((probs[1] > 0).sum(-1) == 3).all()
+    assert ((probs[0] == 1).sum(-1) == 1).all()
+
+
+def test_bf16_logits_are_computed_in_float32():
+    probs = compute_probs(torch.tensor([[0.0, 1.0]], dtype=torch.bfloat16), torch.tensor([1.0]),
+                          torch.tensor([0]), torch.tensor([1.0]))
+    assert probs.dtype == torch.float32
+
+
+def test_greedy_argmax_lower_id_on_ties():
+    logits = torch.tensor([[1.0, 5.0, 5.0], [7.0, 7.0, 7.0], [0.0, -1.0, 2.0]])
+    ids = greedy_argmax(logits)
+    assert ids.tolist() == [1, 0, 2] and ids.dtype == torch.int64
+
+
+def test_top_logprobs_from_raw_logits():
+    logits = torch.tensor([[2.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
+    token_lp, top_ids, top_lp = top_logprobs(logits, torch.tensor([1, 3]), 3)
+    ref = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(token_lp, torch.stack([ref[0, 1], ref[1, 3]]))
+    assert top_ids.tolist() == [[0, 2, 1], [3, 0, 1]]
+    torch.testing.assert_close(top_lp, ref.gather(-1, top_ids))
+    _, ids0, lp0 = top_logprobs(logits, torch.tensor([1, 3]), 0)
+    assert ids0.shape == (2, 0) and lp0.shape == (2, 0)
+
+
+def test_generators_are_per_request_and_reproducible():
+    a, b = make_generator(7), make_generator(7)
+    other = make_generator(8)
+    first = draw_uniforms(a, 5)
+    draw_uniforms(other, 100)  # another request drawing in between changes nothing
+    assert torch.equal(first, draw_uniforms(b, 5))
+    assert first.dtype == torch.float32 and first.shape == (5,)
+    assert ((first >= 0) & (first < 1)).all()
+    assert not torch.equal(draw_uniforms(a, 5), first)  # the stream advances
+    assert not torch.equal(draw_uniforms(make_generator(None), 8), draw_uniforms(make_generator(None), 8))
