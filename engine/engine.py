@@ -149,8 +149,9 @@ class LLMEngine:
             if seq.request.metrics.first_scheduled_time_s is None:
                 seq.request.metrics.first_scheduled_time_s = time.monotonic()
         seqs = sched.prefills + sched.decodes
-        for seq in seqs:
-            seq.completion.new_text, seq.completion.new_token_ids = "", []
+        for seq in seqs:  # every completion of a touched request: a finished sibling adds nothing
+            for completion in seq.request.outputs:
+                completion.new_text, completion.new_token_ids = "", []
         try:
             drafts = self._propose(sched.decodes, sched.speculate)
             self._verify_and_emit(sched.prefills, sched.decodes, drafts)

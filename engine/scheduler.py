@@ -16,7 +16,7 @@ import msgspec
 from engine.sequence import Sequence, SeqStatus
 
 
-class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
+class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Batching limits.
 
     Attributes:
