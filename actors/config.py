@@ -1,0 +1,84 @@
+"""The serve application's YAML schema (msgspec Structs: errors name the field path)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.args import EngineArgs
+
+
+class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """How routed experts are spread over Ray actors.
+
+    Attributes:
+        experts_per_actor: experts one actor holds (for every MoE layer). One per expert on a GPU
+            cluster; about one actor per CPU core on a small machine, where per-call overhead
+            dominates (see docs).
+        replicas: actors per expert group (hot experts may get more via ``hot_expert_replicas``).
+        hot_expert_replicas: extra replicas for named groups: ``{group_index: replicas}``.
+        call_timeout_s: per-call timeout; a slower call is retried on another replica.
+        max_attempts: tries per expert group before the step fails.
+        num_gpus: GPU fraction each actor asks for (0 on CPU, where actors reserve no CPU and run
+            torch with ``torch_threads`` threads).
+        torch_threads: torch intra-op threads inside each expert actor.
+        straggler_multiple, straggler_floor_ms: a call slower than multiple x the dispatch's median
+            and above the floor is flagged as a straggler.
+        namespace: Ray namespace of the named, shared expert actors.
+    """
+
+    experts_per_actor: int = 4
+    replicas: int = 1
+    hot_expert_replicas: dict[int, int] = msgspec.field(default_factory=dict)
+    call_timeout_s: float = 10.0
+    max_attempts: int = 3
+    num_gpus: float = 0.0
+    torch_threads: int = 1
+    straggler_multiple: float = 3.0
+    straggler_floor_ms: float = 5.0
+    namespace: str = "specmoe"
+
+    def __post_init__(self) -> None:
+        if self.experts_per_actor < 1:
+            raise ValueError("experts.experts_per_actor must be >= 1")
+        if self.replicas < 1 or any(r < 1 for r in self.hot_expert_replicas.values()):
+            raise ValueError("experts.replicas and experts.hot_expert_replicas values must be >= 1")
+        if self.call_timeout_s <= 0 or self.max_attempts < 1:
+            raise ValueError("experts.call_timeout_s must be > 0 and experts.max_attempts >= 1")
+
+
+class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Ray Serve options of one deployment."""
+
+    num_replicas: int = 1
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    max_ongoing_requests: int = 256
+
+
+class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Top-level config of ``serve_app.py`` (see ``configs/embedded.yaml``).
+
+    Attributes:
+        model_name: the name clients pass as ``model`` (and the metrics' model_name label).
+        engine: target/draft checkpoints, speculation and scheduler settings.
+        experts: expert actor pool.
+        verifier, draft, ingress: deployment options.
+        http: where the HTTP proxy listens.
+        request_timeout_s: a request still running after this long is cancelled.
+        tracing: OpenTelemetry settings (see :mod:`observability.tracing`); None = environment only.
+    """
+
+    model_name: str
+    engine: EngineArgs
+    experts: ExpertPoolConfig = msgspec.field(default_factory=ExpertPoolConfig)
+    verifier: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
+    draft: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
+    ingress: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    request_timeout_s: float = 600.0
+    tracing: dict | None = None

@@ -1,0 +1,70 @@
+"""Ray Serve deployments: thin wrappers that give the servers in actors/ their Serve options.
+
+No ``from __future__ import annotations`` here: FastAPI must see the real ``Request`` class.
+"""
+
+
+import msgspec
+from fastapi import Request
+from ray import serve
+
+from actors.config import ServeConfig
+from actors.draft_server import DraftServer
+from actors.ingress import IngressServer, app
+from actors.verifier import VerifierServer
+
+
+@serve.deployment(name="draft")
+class DraftDeployment(DraftServer):
+    pass
+
+
+@serve.deployment(name="verifier")
+class VerifierDeployment(VerifierServer):
+    async def metrics_text(self) -> bytes:
+        return await self.metrics_bytes()
+
+
+@serve.deployment(name="ingress")
+@serve.ingress(app)
+class IngressDeployment:
+    def __init__(self, config: dict, verifier) -> None:
+        self.server = IngressServer(msgspec.convert(config, ServeConfig), verifier)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self.server.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self.server.chat_completions(request)
+
+    @app.get("/v1/models")
+    async def models(self):
+        return await self.server.models()
+
+    @app.get("/health")
+    async def health(self):
+        return await self.server.health()
+
+    @app.get("/metrics")
+    async def metrics(self):
+        return await self.server.metrics_text()
+
+
+def build_app(config: ServeConfig):
+    """The bound application: ingress -> verifier -> draft (expert actors are made by verifiers)."""
+    cfg = msgspec.to_builtins(config)
+    e = config.engine
+
+    def opts(d):
+        return dict(num_replicas=d.num_replicas, max_ongoing_requests=d.max_ongoing_requests,
+                    ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus})
+
+    draft = None
+    if e.speculative_method == "draft":
+        draft = DraftDeployment.options(**opts(config.draft)).bind(
+            e.draft_model, e.dtype, e.device, e.scheduler.max_num_seqs * config.verifier.num_replicas,
+            e.max_model_len)
+    verifier = VerifierDeployment.options(**opts(config.verifier)).bind(cfg, draft)
+    return IngressDeployment.options(**opts(config.ingress)).bind(cfg, verifier)

@@ -1,0 +1,115 @@
+"""Ray actor holding some experts of every MoE layer: a thin shim over :class:`ExpertStore`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import ray
+
+from actors.wire import from_wire, to_wire
+
+
+class ExpertWorker:
+    """Computes the expert FFN for token groups of the experts it holds.
+
+    Args:
+        checkpoint: target checkpoint directory; only this actor's experts are read, lazily.
+        expert_ids: experts held (sorted), the same for every MoE layer.
+        dtype, device: weight/activation dtype and device.
+        torch_threads: torch intra-op threads (1 on CPU, so actors share cores fairly).
+        role: label for telemetry.
+    """
+
+    def __init__(self, checkpoint: str, expert_ids: list[int], dtype: str = "float32", device: str = "cpu",
+                 torch_threads: int = 1) -> None:
+        import torch
+
+        from engine.checkpoint import CheckpointReader
+        from engine.config import load_model_config
+        from engine.loader import resolve_dtype
+        from engine.model import ExpertStore
+
+        torch.set_num_threads(torch_threads)
+        self.dtype = resolve_dtype(dtype)
+        self.device = device
+        config = load_model_config(checkpoint)
+        self.store = ExpertStore(CheckpointReader(checkpoint), config, expert_ids, self.dtype, device)
+        self.expert_ids = self.store.expert_ids
+        self.delay_s = 0.0
+        self.num_calls = 0
+        self.actor_id = _actor_id()
+        self._setup_tracing()
+
+    def _setup_tracing(self) -> None:
+        try:
+            from observability.tracing import setup_tracing
+
+            setup_tracing("expert")
+        except Exception:  # telemetry never prevents serving
+            pass
+
+    def forward(self, layer: int, counts: list[int], hidden: np.ndarray, weights: np.ndarray,
+                sent_time_s: float, carrier: dict | None = None) -> tuple[np.ndarray, dict]:
+        """Run held experts on grouped rows.
+
+        Args:
+            layer: MoE layer index.
+            counts: rows per held expert, in ``expert_ids`` order.
+            hidden: ``(rows, hidden_size)`` rows grouped by expert (wire format of the dtype).
+            weights: ``(rows,)`` float32 routing weights applied to the outputs.
+            sent_time_s: caller's ``time.time()`` when sending (queue time = start - sent).
+            carrier: W3C trace context of the caller's dispatch span.
+
+        Returns:
+            ``(rows, hidden_size)`` weighted expert outputs (wire format), and timings in ms.
+        """
+        import torch
+
+        start = time.time()
+        queue_ms = max(0.0, (start - sent_time_s) * 1e3)
+        if self.delay_s:  # artificial straggler, for tests and demos
+            time.sleep(self.delay_s)
+        x = from_wire(hidden, self.dtype, self.device)
+        w = torch.from_numpy(np.array(weights, copy=True)).to(self.device)
+        out = self.store.forward(layer, x, torch.tensor(counts, dtype=torch.int64), w)
+        compute_ms = (time.time() - start) * 1e3
+        self.num_calls += 1
+        timing = {"queue_ms": queue_ms, "compute_ms": compute_ms, "actor_id": self.actor_id,
+                  "start_s": start}
+        self._trace(layer, counts, timing, carrier)
+        return to_wire(out), timing
+
+    def _trace(self, layer: int, counts: list[int], timing: dict, carrier: dict | None) -> None:
+        if carrier is None:
+            return
+        try:
+            from observability.expert_spans import record_expert_span
+
+            record_expert_span(carrier, layer, self.expert_ids, counts, timing)
+        except Exception:
+            pass
+
+    def set_delay_ms(self, delay_ms: float) -> None:
+        """Make every call sleep ``delay_ms`` first (a configured artificial straggler)."""
+        self.delay_s = delay_ms / 1e3
+
+    def load(self) -> int:
+        """Load every held weight now (rather than on first call); returns parameters held."""
+        self.store.load_all()
+        return sum(w.numel() for layer in self.store.config.moe.sparse_layers for w in self.store.weights(layer))
+
+    def info(self) -> dict:
+        return {"expert_ids": self.expert_ids, "pid": os.getpid(), "num_calls": self.num_calls,
+                "actor_id": self.actor_id}
+
+
+def _actor_id() -> str:
+    try:
+        return ray.get_runtime_context().get_actor_id() or f"pid-{os.getpid()}"
+    except Exception:
+        return f"pid-{os.getpid()}"
+
+
+ExpertActor = ray.remote(ExpertWorker)

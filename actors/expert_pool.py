@@ -1,0 +1,95 @@
+"""The pool of named, shared expert actors: groups of experts, replicas per group, re-creation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import ray
+
+from actors.config import ExpertPoolConfig
+from actors.expert_actor import ExpertActor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    """One actor serving an expert group, with the router's view of its load and speed."""
+
+    group: int
+    index: int
+    generation: int
+    name: str
+    handle: ray.actor.ActorHandle
+    outstanding_rows: int = 0
+    ewma_latency_ms: float = 0.0
+    alive: bool = True
+
+    def observe_latency(self, latency_ms: float, alpha: float = 0.2) -> None:
+        self.ewma_latency_ms = latency_ms if self.ewma_latency_ms == 0 else (
+            alpha * latency_ms + (1 - alpha) * self.ewma_latency_ms)
+
+
+@dataclass
+class ExpertPool:
+    """Expert actors shared by every verifier replica.
+
+    Groups are consecutive expert-id ranges of ``experts_per_actor`` experts, so the rows of one
+    group are one contiguous slice of a layer's dispatch. Actors are named
+    ``{prefix}-g{group}-r{replica}-v{generation}`` in the config's namespace and created with
+    ``get_if_exists``: verifier replicas find the same actors, and after a death every replica
+    re-creates the same next generation.
+    """
+
+    checkpoint: str
+    num_experts: int
+    config: ExpertPoolConfig
+    dtype: str = "float32"
+    device: str = "cpu"
+    prefix: str = "specmoe-experts"
+    groups: list[list[int]] = field(default_factory=list)
+    replicas: dict[int, list[Replica]] = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Create or look up every actor (non-blocking: actors load their weights lazily)."""
+        per = self.config.experts_per_actor
+        self.groups = [list(range(s, min(s + per, self.num_experts))) for s in range(0, self.num_experts, per)]
+        for g in range(len(self.groups)):
+            count = self.config.hot_expert_replicas.get(g, self.config.replicas)
+            self.replicas[g] = [self._make(g, r, 0) for r in range(count)]
+
+    def _make(self, group: int, index: int, generation: int) -> Replica:
+        name = f"{self.prefix}-g{group}-r{index}-v{generation}"
+        options = dict(name=name, namespace=self.config.namespace, get_if_exists=True, lifetime="detached",
+                       num_cpus=0, num_gpus=self.config.num_gpus, max_concurrency=1)
+        handle = ExpertActor.options(**options).remote(
+            self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads)
+        return Replica(group, index, generation, name, handle)
+
+    def group_of(self, expert: int) -> int:
+        return expert // self.config.experts_per_actor
+
+    def alive(self, group: int) -> list[Replica]:
+        return [r for r in self.replicas[group] if r.alive]
+
+    def recreate(self, dead: Replica) -> Replica:
+        """Replace a dead replica with the next generation (shared by name across verifiers)."""
+        dead.alive = False
+        current = self.replicas[dead.group][dead.index]
+        if current is not dead and current.alive:
+            return current  # another coroutine already replaced it
+        log.warning("expert actor %s is gone; re-creating it", dead.name)
+        fresh = self._make(dead.group, dead.index, dead.generation + 1)
+        self.replicas[dead.group][dead.index] = fresh
+        return fresh
+
+    def all_replicas(self) -> list[Replica]:
+        return [r for reps in self.replicas.values() for r in reps]
+
+    def shutdown(self) -> None:
+        for r in self.all_replicas():
+            try:
+                ray.kill(r.handle)
+            except Exception:  # already gone
+                pass

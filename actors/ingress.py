@@ -1,0 +1,182 @@
+"""OpenAI-compatible HTTP ingress (FastAPI): validates, tokenizes, streams from a verifier.
+
+``IngressServer`` holds the logic and takes the verifier handle as an argument, so it can be driven
+by any object with the same ``generate``/``stats`` methods; ``actors/deployments.py`` turns it into
+a Ray Serve deployment with ``@serve.ingress``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from actors.chat_template import ChatTemplate
+from actors.config import ServeConfig
+from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
+from actors.responses import ResponseBuilder, error_body, sse
+
+log = logging.getLogger(__name__)
+app = FastAPI(title="specmoe", version="0.1.0")
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    err_type = {404: "not_found_error", 503: "server_overloaded", 500: "internal_error"}.get(
+        status, "invalid_request_error")
+    return JSONResponse(error_body(message, err_type, param, code), status_code=status, headers=headers)
+
+
+class IngressServer:
+    """Request handling for the OpenAI routes; ``verifier`` is a Serve handle (or a test double)."""
+
+    def __init__(self, config: ServeConfig, verifier) -> None:
+        from engine.config import load_model_config
+        from engine.loader import load_tokenizer
+
+        self.config, self.verifier = config, verifier
+        self.model_name = config.model_name
+        model_path = config.engine.model
+        model_config = load_model_config(model_path)
+        self.max_model_len = config.engine.max_model_len or model_config.max_position_embeddings
+        from pathlib import Path
+
+        self.tokenizer, template = load_tokenizer(Path(model_path))
+        self.chat_template = ChatTemplate(template)
+        self._ids = itertools.count()
+        self.metrics = _request_metrics(self.model_name)
+
+    # ------------------------------------------------------------------ routes
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, "chat")
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specmoe", "max_model_len": self.max_model_len}]}
+
+    async def health(self) -> Response:
+        try:
+            await self.verifier.stats.remote()
+        except Exception as e:
+            return _error(503, f"verifier unavailable: {e}")
+        return Response(status_code=200)
+
+    async def metrics_text(self) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+        from prometheus_client import generate_latest
+
+        parts = [generate_latest(self.metrics.registry) if self.metrics else b""]
+        try:
+            parts.append(await self.verifier.metrics_text.remote())
+        except Exception as e:  # metrics never fail the endpoint
+            log.warning("verifier metrics unavailable: %s", e)
+        return Response(b"".join(parts), media_type=CONTENT_TYPE)
+
+    # ----------------------------------------------------------------- handling
+    def _prepare(self, body: bytes, kind: str):
+        schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
+        req = decode_request(body, schema)
+        if req.model != self.model_name:
+            raise ProtocolError(f"The model '{req.model}' does not exist (serving '{self.model_name}')",
+                                "model", 404, "model_not_found")
+        if kind == "completion":
+            prompt_text = req.prompt if isinstance(req.prompt, str) else None
+            ids = self.tokenizer.encode(req.prompt).ids if prompt_text is not None else list(req.prompt)
+            logprobs = req.logprobs
+        else:
+            prompt_text = self.chat_template.render(req.messages)
+            ids = self.tokenizer.encode(prompt_text).ids
+            logprobs = req.num_logprobs
+        if not ids:
+            raise ProtocolError("the prompt tokenizes to nothing", "prompt" if kind == "completion" else "messages")
+        if len(ids) >= self.max_model_len:
+            raise ProtocolError(f"the prompt has {len(ids)} tokens; this model's context window is "
+                                f"{self.max_model_len} tokens", "prompt" if kind == "completion" else "messages",
+                                code="context_length_exceeded")
+        max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion"
+                                        else self.max_model_len - len(ids))
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ProtocolError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                                f"window of {self.max_model_len} tokens", "max_tokens", code="context_length_exceeded")
+        try:
+            params = req.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise ProtocolError(str(e), str(e).split(".", 1)[-1].split(" ", 1)[0]) from e
+        return req, ids, prompt_text, params, logprobs is not None
+
+    async def _handle(self, request: Request, kind: str) -> Response:
+        t_start = time.monotonic()
+        try:
+            req, ids, prompt_text, params, want_lp = self._prepare(await request.body(), kind)
+        except ProtocolError as e:
+            return _error(e.status, str(e), e.param, e.code)
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        from ray.serve.handle import DeploymentHandle
+
+        verifier = self.verifier.options(stream=True) if isinstance(self.verifier, DeploymentHandle) else self.verifier
+        import msgspec
+
+        stream = verifier.generate.remote(ids, msgspec.to_builtins(params), prompt_text, rid)
+        try:
+            first = await stream.__anext__()
+        except Exception as e:
+            log.exception("verifier failed to accept %s", rid)
+            return _error(500, f"internal error: {type(e).__name__}")
+        if first["type"] == "error":
+            headers = {"Retry-After": "1"} if first["status"] == 503 else None
+            return _error(first["status"], first["message"], None, None, headers)
+        builder = ResponseBuilder(kind, self.model_name, rid, params.n, self.tokenizer, want_lp)
+        tracker = self.metrics.track(len(ids), t_start) if self.metrics else None
+        if req.stream:
+            return StreamingResponse(self._sse(stream, builder, req.include_usage, tracker),
+                                     media_type="text/event-stream")
+        try:
+            async for item in stream:
+                self._absorb(builder, item, tracker)
+        except Exception as e:
+            log.exception("request %s failed", rid)
+            return _error(500, f"internal error: {type(e).__name__}")
+        finally:
+            stream.cancel()
+        return JSONResponse(builder.final())
+
+    def _absorb(self, builder: ResponseBuilder, item: dict, tracker) -> list[dict]:
+        if item["type"] == "error":
+            raise RuntimeError(item["message"])
+        chunks = builder.add(item)
+        if tracker is not None:
+            tracker.on_item(item)
+        return chunks
+
+    async def _sse(self, stream, builder: ResponseBuilder, include_usage: bool, tracker):
+        try:
+            async for item in stream:
+                for chunk in self._absorb(builder, item, tracker):
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(builder.usage_chunk())
+        except Exception as e:  # mid-stream failure: tell the client in-band, then end the stream
+            log.exception("stream %s failed", builder.id)
+            yield sse(error_body(f"internal error: {type(e).__name__}", "internal_error"))
+        finally:
+            stream.cancel()  # client gone or done: the verifier aborts an unfinished request
+        yield sse("[DONE]")
+
+
+def _request_metrics(model_name: str):
+    try:
+        from actors.request_tracker import RequestTracker
+
+        return RequestTracker(model_name)
+    except Exception:  # metrics are optional
+        log.exception("request metrics unavailable")
+        return None

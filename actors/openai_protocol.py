@@ -1,0 +1,154 @@
+"""OpenAI-compatible request bodies, decoded and validated with msgspec.
+
+Unknown fields are ignored, as OpenAI does; out-of-range values raise :class:`ProtocolError`, which
+the ingress turns into HTTP 400 naming the parameter. specmoe extensions (vLLM's names): ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``num_speculative_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SPECULATIVE_TOKENS, SamplingParams
+
+
+class ProtocolError(ValueError):
+    """A request field is invalid; ``param`` names it, ``status`` is the HTTP status to answer."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    num_speculative_tokens: int | None = None
+
+    def check_ranges(self) -> None:
+        checks = [
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("temperature", self.temperature is None or 0 <= self.temperature <= 2, "must be in [0, 2]"),
+            ("top_p", self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
+            ("top_k", self.top_k is None or self.top_k == -1 or self.top_k >= 0, "must be -1, 0 or >= 1"),
+            ("num_speculative_tokens", self.num_speculative_tokens is None
+             or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"must be in [0, {MAX_SPECULATIVE_TOKENS}]"),
+            ("stop", self.stop is None or (self.stop != "" and "" not in (self.stop if isinstance(self.stop, list) else [])),
+             "must not contain empty strings"),
+            ("stop", not isinstance(self.stop, list) or len(self.stop) <= 4, "at most 4 stop sequences"),
+        ]
+        for param, ok, why in checks:
+            if not ok:
+                raise ProtocolError(f"'{param}' {why}", param)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+            stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, num_speculative_tokens=self.num_speculative_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/completions`` (one prompt: a string or a list of token ids)."""
+
+    # msgspec unions allow one array type: the element types are checked in validate().
+    prompt: str | list
+    logprobs: int | None = None
+    echo: bool = False
+
+    def validate(self) -> None:
+        self.check_ranges()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"'logprobs' must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        if self.echo:
+            raise ProtocolError("'echo' is not supported", "echo")
+        if isinstance(self.prompt, list) and self.prompt and not _is_token_ids(self.prompt):
+            if len(self.prompt) != 1:
+                raise ProtocolError("batched prompts are not supported: send one request per prompt", "prompt")
+            self.prompt = self.prompt[0]
+        if not self.prompt:
+            raise ProtocolError("'prompt' must not be empty", "prompt")
+        if not isinstance(self.prompt, str) and not _is_token_ids(self.prompt):
+            raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def _is_token_ids(value: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text parts are supported
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ProtocolError("only text content parts are supported", "messages")
+                parts.append(part["text"])
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def validate(self) -> None:
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        self.check_ranges()
+        if not self.messages:
+            raise ProtocolError("'messages' must not be empty", "messages")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def decode_request(body: bytes, schema: type[_Sampling]) -> _Sampling:
+    """Decode + validate; raises ProtocolError (400) naming the parameter."""
+    try:
+        req = msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as e:
+        param = str(e).rsplit("$.", 1)[-1].split("[")[0].rstrip("`") if "$." in str(e) else None
+        raise ProtocolError(f"invalid request: {e}", param) from e
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"invalid JSON body: {e}") from e
+    req.validate()
+    return req

@@ -1,0 +1,108 @@
+"""OpenAI response bodies and SSE chunks built from the verifier's stream items."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+_json = msgspec.json.Encoder()
+
+
+def sse(payload: dict | str) -> bytes:
+    body = payload if isinstance(payload, str) else _json.encode(payload).decode()
+    return f"data: {body}\n\n".encode()
+
+
+def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def completion_logprobs(items: list[dict], tokenizer) -> dict:
+    """Legacy completions ``logprobs`` object for the given token logprob items."""
+    tokens = [tokenizer.decode([i["token_id"]]) for i in items]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [i["logprob"] for i in items],
+        "top_logprobs": [{tokenizer.decode([int(t)]): lp for t, lp in i["top"].items()} for i in items],
+        "text_offset": [],
+    }
+
+
+def chat_logprobs(items: list[dict], tokenizer) -> dict:
+    """Chat ``logprobs.content`` for the given token logprob items."""
+    content = []
+    for i in items:
+        tok = tokenizer.decode([i["token_id"]])
+        content.append({
+            "token": tok, "logprob": i["logprob"], "bytes": list(tok.encode()),
+            "top_logprobs": [{"token": tokenizer.decode([int(t)]), "logprob": lp,
+                              "bytes": list(tokenizer.decode([int(t)]).encode())} for t, lp in i["top"].items()],
+        })
+    return {"content": content}
+
+
+class ResponseBuilder:
+    """Accumulates a request's stream items into chunks or a final body."""
+
+    def __init__(self, kind: str, model: str, request_id: str, n: int, tokenizer, want_logprobs: bool):
+        self.kind, self.model, self.id, self.tokenizer = kind, model, request_id, tokenizer
+        self.created = int(time.time())
+        self.object = "text_completion" if kind == "completion" else "chat.completion"
+        self.text = [""] * n
+        self.finish = [None] * n
+        self.logprobs: list[list[dict]] = [[] for _ in range(n)]
+        self.want_logprobs = want_logprobs
+        self.usage: dict | None = None
+
+    def _lp(self, items: list[dict]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        return completion_logprobs(items, self.tokenizer) if self.kind == "completion" else chat_logprobs(
+            items, self.tokenizer)
+
+    def add(self, item: dict) -> list[dict]:
+        """Absorb a step item; return the streaming chunks it produces."""
+        chunks = []
+        for c in item["choices"]:
+            i = c["index"]
+            self.text[i] += c["new_text"]
+            self.logprobs[i] += c["new_logprobs"] or []
+            if c["finish_reason"] is not None:
+                self.finish[i] = c["finish_reason"]
+            if c["new_text"] or c["finish_reason"] is not None or c["new_token_ids"]:
+                chunks.append(self._chunk(i, c))
+        if item.get("usage"):
+            self.usage = {**item["usage"],
+                          "total_tokens": item["usage"]["prompt_tokens"] + item["usage"]["completion_tokens"]}
+        return chunks
+
+    def _chunk(self, i: int, c: dict) -> dict:
+        lp = self._lp(c["new_logprobs"] or [])
+        if self.kind == "completion":
+            choice = {"index": i, "text": c["new_text"], "logprobs": lp, "finish_reason": c["finish_reason"]}
+            obj = "text_completion"
+        else:
+            choice = {"index": i, "delta": {"role": "assistant", "content": c["new_text"]}, "logprobs": lp,
+                      "finish_reason": c["finish_reason"]}
+            obj = "chat.completion.chunk"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": self.usage}
+
+    def final(self) -> dict:
+        choices = []
+        for i, text in enumerate(self.text):
+            lp = self._lp(self.logprobs[i])
+            if self.kind == "completion":
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i]})
+            else:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                                "finish_reason": self.finish[i]})
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage}
