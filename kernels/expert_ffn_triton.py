@@ -122,35 +122,40 @@ def _gate_up_kernel(
     expert, row_start, row_end = _tile_to_expert(pid_m, counts_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert >= num_experts:
         return
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < row_end
-    col_ok = cols < N
+    # 64-bit scalar base pointers for the tile plus 32-bit in-tile offsets: tensors of 64-bit
+    # pointers cost two registers per element and made the (16 x 128 x 64) tiles spill.
+    m_idx = tl.arange(0, BLOCK_M)
+    n_idx = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
+    row_ok = (row_start + m_idx) < row_end
+    col_ok = (pid_n * BLOCK_N + n_idx) < N
+    x_base = x_ptr + row_start.to(tl.int64) * stride_xm
+    x_off = m_idx[:, None] * stride_xm + ks[None, :] * stride_xk
     # Weights are (out, in) on disk; reading them as (in, out) tiles gives x @ W.T directly.
-    w_off = expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
-    wg_ptrs = wg_ptr + w_off
-    wu_ptrs = wu_ptr + w_off
+    w_shift = expert.to(tl.int64) * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
+    wg_base = wg_ptr + w_shift
+    wu_base = wu_ptr + w_shift
+    w_off = n_idx[None, :] * stride_wn + ks[:, None] * stride_wk
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        wu = tl.load(wu_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        x = tl.load(x_base + x_off, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(wg_base + w_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        wu = tl.load(wu_base + w_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc_g = _mma(x, wg, acc_g, DOT_PRECISION, UPCAST_DOT)
         acc_u = _mma(x, wu, acc_u, DOT_PRECISION, UPCAST_DOT)
-        x_ptrs += BLOCK_K * stride_xk
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
+        x_base += BLOCK_K * stride_xk
+        wg_base += BLOCK_K * stride_wk
+        wu_base += BLOCK_K * stride_wk
     # Round at the same points as F.linear -> F.silu -> mul in the activation dtype.
     gate = _round_to(acc_g, ACT_DTYPE)
     up = _round_to(acc_u, ACT_DTYPE)
     silu = _round_to(gate / (1.0 + tl.exp(-gate)), ACT_DTYPE)
     act = _round_to(silu * up, ACT_DTYPE).to(ACT_DTYPE)
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_am + cols[None, :] * stride_an
-    tl.store(a_ptrs, act, mask=row_ok[:, None] & col_ok[None, :])
+    a_base = act_ptr + row_start.to(tl.int64) * stride_am + (pid_n * BLOCK_N).to(tl.int64) * stride_an
+    a_off = m_idx[:, None] * stride_am + n_idx[None, :] * stride_an
+    tl.store(a_base + a_off, act, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -185,28 +190,38 @@ def _down_kernel(
     expert, row_start, row_end = _tile_to_expert(pid_m, counts_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert >= num_experts:
         return
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < row_end
-    col_ok = cols < N
+    m_idx = tl.arange(0, BLOCK_M)
+    n_idx = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak
-    w_ptrs = wd_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    row_ok = (row_start + m_idx) < row_end
+    col_ok = (pid_n * BLOCK_N + n_idx) < N
+    a_base = act_ptr + row_start.to(tl.int64) * stride_am
+    a_off = m_idx[:, None] * stride_am + ks[None, :] * stride_ak
+    w_base = wd_ptr + expert.to(tl.int64) * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
+    w_off = n_idx[None, :] * stride_wn + ks[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a = tl.load(a_base + a_off, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + w_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = _mma(a, w, acc, DOT_PRECISION, UPCAST_DOT)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+        a_base += BLOCK_K * stride_ak
+        w_base += BLOCK_K * stride_wk
     y = _round_to(acc, ACT_DTYPE)
     if HAS_ROUTING_WEIGHTS:
         # The reference casts the float32 weight to the activation dtype before multiplying.
-        rw = _round_to(tl.load(rw_ptr + rows, mask=row_ok, other=0.0), ACT_DTYPE)
+        rw = _round_to(tl.load(rw_ptr + row_start + m_idx, mask=row_ok, other=0.0), ACT_DTYPE)
         y = _round_to(y * rw[:, None], ACT_DTYPE)
-    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-    tl.store(o_ptrs, y.to(ACT_DTYPE), mask=row_ok[:, None] & col_ok[None, :])
+    o_base = out_ptr + row_start.to(tl.int64) * stride_om + (pid_n * BLOCK_N).to(tl.int64) * stride_on
+    o_off = m_idx[:, None] * stride_om + n_idx[None, :] * stride_on
+    tl.store(o_base + o_off, y.to(ACT_DTYPE), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# BLOCK_M -> (gate/up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K), all with 8 warps. Not tuned on a
+# GPU (none was available when this was written): chosen as the largest bf16 tiles that compiled
+# for sm_90 without register spills (gate/up holds two float32 accumulators, hence its narrower
+# tiles). benchmarks/kernels.py is the place to tune them.
+_TILES = {16: (64, 128, 64, 128), 32: (64, 64, 64, 128), 64: (64, 64, 128, 64), 128: (64, 32, 128, 64)}
 
 
 def _block_m(num_rows: int, num_experts: int) -> int:
@@ -236,6 +251,10 @@ def _check_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights) ->
         )
     if w_up.stride() != w_gate.stride():
         raise ValueError("w_gate and w_up must have the same strides (one pointer offset serves both)")
+    # In-tile offsets are 32-bit (stride x at most 128 elements); only the per-tile bases are 64-bit.
+    inner = [*hidden.stride(), *w_gate.stride()[1:], *w_down.stride()[1:]]
+    if max(inner) * 128 >= 2**31:
+        raise ValueError(f"strides {inner} too large for 32-bit in-tile offsets; pass contiguous tensors")
     if expert_counts.shape != (num_local,):
         raise ValueError(f"expert_counts must be ({num_local},), got {tuple(expert_counts.shape)}")
     # Summing device counts would cost a host sync per layer; the kernels never touch rows outside
@@ -285,34 +304,31 @@ def expert_ffn_triton(
     num_tiles_m = min(num_rows, triton.cdiv(num_rows, block_m) + num_experts)
     block_e = triton.next_power_of_2(num_experts)
     counts = expert_counts.to(device=hidden.device)
-    big = block_m >= 64
-    # Untuned first choice (no GPU was available when this was written): 64-wide gate/up tiles keep
-    # two float32 accumulators within registers; benchmarks/kernels.py is where to tune these.
-    common = dict(UPCAST_DOT=not hidden.is_cuda, BLOCK_M=block_m, BLOCK_E=block_e, GROUP_M=8, num_warps=8 if big else 4, num_stages=3)
+    gu_n, gu_k, down_n, down_k = _TILES[block_m]
+    if hidden.dtype == torch.float32:  # twice the bytes per element: halve the K tiles
+        gu_k, down_k = gu_k // 2, down_k // 2
+    common = dict(UPCAST_DOT=not hidden.is_cuda, BLOCK_M=block_m, BLOCK_E=block_e, GROUP_M=8, num_warps=8, num_stages=3)
 
-    # fp32 tiles are twice the bytes; keep K tiles at 64 so three pipeline stages fit in shared memory.
-    block_n, block_k = 64, 64 if big or hidden.dtype == torch.float32 else 128
-    _gate_up_kernel[(num_tiles_m * triton.cdiv(inter, block_n),)](
+    _gate_up_kernel[(num_tiles_m * triton.cdiv(inter, gu_n),)](
         hidden, w_gate, w_up, act, counts,
         num_experts, inter, hsize, num_tiles_m,
         hidden.stride(0), hidden.stride(1),
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
         act.stride(0), act.stride(1),
-        ACT_DTYPE=act_dtype, DOT_PRECISION=precision, BLOCK_N=block_n, BLOCK_K=block_k, **common,
+        ACT_DTYPE=act_dtype, DOT_PRECISION=precision, BLOCK_N=gu_n, BLOCK_K=gu_k, **common,
     )  # fmt: skip
 
-    block_n = 128 if big else 64
     if routing_weights is not None:
         rw = routing_weights.to(device=hidden.device, dtype=torch.float32).contiguous()
     else:
         rw = out  # dummy pointer, never read when HAS_ROUTING_WEIGHTS is False
-    _down_kernel[(num_tiles_m * triton.cdiv(hsize, block_n),)](
+    _down_kernel[(num_tiles_m * triton.cdiv(hsize, down_n),)](
         act, w_down, out, rw, counts,
         num_experts, hsize, inter, num_tiles_m,
         act.stride(0), act.stride(1),
         w_down.stride(0), w_down.stride(1), w_down.stride(2),
         out.stride(0), out.stride(1),
         HAS_ROUTING_WEIGHTS=routing_weights is not None, ACT_DTYPE=act_dtype, DOT_PRECISION=precision,
-        BLOCK_N=block_n, BLOCK_K=block_k, **common,
+        BLOCK_N=down_n, BLOCK_K=down_k, **common,
     )  # fmt: skip
     return out
