@@ -9,8 +9,6 @@ one-hot at each proposed token (the rejection sampler then accepts token ``x`` w
 
 from __future__ import annotations
 
-from typing import overload
-
 import numpy as np
 
 from engine.drafters.base import DraftProposal, DraftRequest
@@ -33,21 +31,9 @@ class NgramDrafter:
         self.min_n = min_n
         self.max_n = max_n
 
-    @overload
-    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
-
-    @overload
-    def propose(self, token_ids: list[DraftRequest], k: None = None) -> list[DraftProposal]: ...
-
-    def propose(self, token_ids, k=None):
-        """Per sequence ``propose(token_ids, k) -> list[int]``; as a Drafter ``propose(requests)``.
-
-        The batch form returns one :class:`DraftProposal` per request with ``probs=None``
-        (one-hot q).
-        """
-        if k is not None:
-            return self.lookup(token_ids, k)
-        return [DraftProposal(self.lookup(r.token_ids, r.k)) for r in token_ids]
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        """One proposal per request with ``probs=None`` (q is one-hot at each proposed token)."""
+        return [DraftProposal(self.lookup(r.token_ids, r.k)) for r in requests]
 
     def release(self, seq_id: str) -> None:
         """Stateless: nothing to forget."""

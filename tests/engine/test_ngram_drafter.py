@@ -24,17 +24,17 @@ from engine.drafters.ngram import NgramDrafter
     ],
 )
 def test_ngram_lookup(tokens, k, expected):
-    assert NgramDrafter().propose(tokens, k) == expected
+    assert NgramDrafter().lookup(tokens, k) == expected
 
 
 def test_min_and_max_n_limit_the_match():
     tokens = [1, 2, 3, 4, 9, 9, 4, 7, 2, 3, 4]
     # max_n = 4 finds [2, 3, 4] at 1..3 (followed by 9); max_n = 1 only matches [4], most recently at 6.
-    assert NgramDrafter(1, 4).propose(tokens, 2) == [9, 9]
-    assert NgramDrafter(1, 1).propose(tokens, 2) == [7, 2]
+    assert NgramDrafter(1, 4).lookup(tokens, 2) == [9, 9]
+    assert NgramDrafter(1, 1).lookup(tokens, 2) == [7, 2]
     # min_n = 2 ignores unigram matches.
-    assert NgramDrafter(2, 4).propose([5, 3, 7, 6, 3], 2) == []
-    assert NgramDrafter(1, 4).propose([5, 3, 7, 6, 3], 2) == [7, 6]
+    assert NgramDrafter(2, 4).lookup([5, 3, 7, 6, 3], 2) == []
+    assert NgramDrafter(1, 4).lookup([5, 3, 7, 6, 3], 2) == [7, 6]
     with pytest.raises(ValueError):
         NgramDrafter(3, 2)
     with pytest.raises(ValueError):
@@ -43,7 +43,7 @@ def test_min_and_max_n_limit_the_match():
 
 def test_most_recent_occurrence_among_equal_length_matches():
     tokens = [1, 2, 10, 1, 2, 20, 1, 2, 30, 1, 2]
-    assert NgramDrafter().propose(tokens, 1) == [30]
+    assert NgramDrafter().lookup(tokens, 1) == [30]
 
 
 def test_ngram_as_a_drafter_batch():

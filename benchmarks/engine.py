@@ -1,0 +1,99 @@
+"""In-process engine throughput vs transformers ``generate`` on the held-out prompt mix.
+
+    python benchmarks/engine.py --num-prompts 32 --max-tokens 64 --save-result benchmarks/results/engine.json
+
+Measures output tokens/s (greedy, ignore EOS so every configuration emits the same number of tokens)
+at batch 1 and 8: specmoe with speculation off, with the draft model at k = 2, 4, 6, with the n-gram
+drafter at k = 4; and the same checkpoints under transformers ``generate`` plain and with
+``assistant_model`` (its assisted generation, batch 1 only, as transformers supports). One process,
+one run, so every figure shares the machine's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import DRAFT, TARGET, Timer, load_prompts, machine, print_table, save_json  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+SPECMOE_CONFIGS = [("off", None, 0), ("draft", "draft", 2), ("draft", "draft", 4), ("draft", "draft", 6),
+                   ("ngram", "ngram", 4)]
+
+
+def bench_specmoe(prompts: list[list[int]], batch: int, method, k: int, max_tokens: int) -> dict:
+    llm = LLM(TARGET, draft_model=DRAFT if method == "draft" else None, speculative_method=method,
+              num_speculative_tokens=k, max_num_seqs=batch, max_num_batched_tokens=16384)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:batch], params)  # warm-up
+    base = llm.get_metrics()
+    with Timer() as t:
+        outs = llm.generate(prompts, params)
+    m = llm.get_metrics()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafted = m["num_draft_tokens"] - base["num_draft_tokens"]
+    accepted = m["num_accepted_tokens"] - base["num_accepted_tokens"]
+    drafts = m["num_drafts"] - base["num_drafts"]
+    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accept_len": 1 + accepted / drafts if drafts else None}
+
+
+def bench_transformers(prompts: list[list[int]], batch: int, max_tokens: int, assisted: bool) -> dict | None:
+    from transformers import AutoModelForCausalLM
+
+    if assisted and batch != 1:
+        return None  # transformers' assisted generation supports batch size 1 only
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).eval() if assisted else None
+    kwargs = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+    if assisted:
+        kwargs["assistant_model"] = draft
+    tokens = 0
+    with torch.inference_mode(), Timer() as t:
+        for i in range(0, len(prompts), batch):
+            group = prompts[i: i + batch]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in group])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            out = target.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            tokens += (out.shape[1] - width) * len(group)
+    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--save-result")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    llm_tok = LLM(TARGET).tokenizer
+    prompts = [llm_tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in load_prompts(args.num_prompts)]
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for name, method, k in SPECMOE_CONFIGS:
+            r = bench_specmoe(prompts, batch, method, k, args.max_tokens)
+            rows.append({"system": "specmoe", "batch": batch, "speculation": name, "k": k, **r})
+            print_table(rows[-1:], list(rows[-1]))
+        if not args.skip_transformers:
+            for assisted in (False, True):
+                r = bench_transformers(prompts, batch, args.max_tokens, assisted)
+                if r:
+                    rows.append({"system": "transformers", "batch": batch,
+                                 "speculation": "assistant_model" if assisted else "off", "k": None, **r})
+    print()
+    print_table(rows, ["system", "batch", "speculation", "k", "tokens", "seconds", "tok_per_s",
+                       "acceptance_rate", "mean_accept_len"])
+    save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

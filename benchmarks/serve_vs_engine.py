@@ -1,0 +1,96 @@
+"""Output tokens/s through HTTP (Ray Serve + actors) vs the in-process engine, same prompts.
+
+    python benchmarks/serve_vs_engine.py --num-prompts 24 --max-tokens 64
+
+Starts the embedded app (configs/embedded.yaml, on a free port) and, in the same run, the
+in-process engine on the same checkpoints. Greedy, EOS ignored, so both emit the same tokens.
+Concurrency 1 and 8; speculation on (k from the config) and off (per-request k = 0). The ratio
+HTTP / in-process is the cost of the distributed path (per-layer actor round trips dominate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, Timer, load_prompts, machine, print_table, save_json  # noqa: E402
+
+
+async def http_run(url: str, model: str, prompts: list[str], concurrency: int, k: int, max_tokens: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    tokens = 0
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> None:
+        nonlocal tokens
+        async with sem:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "num_speculative_tokens": k}
+            r = await client.post(f"{url}/v1/completions", json=body)
+            r.raise_for_status()
+            tokens += r.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*[one(client, p) for p in prompts[:concurrency]])  # warm-up
+        tokens = 0
+        with Timer() as t:
+            await asyncio.gather(*[one(client, p) for p in prompts])
+    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+
+
+def engine_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: int) -> dict:
+    from engine import LLM, SamplingParams
+
+    e = config.engine
+    llm = LLM(e.model, draft_model=e.draft_model if k else None, speculative_method=e.speculative_method if k else None,
+              num_speculative_tokens=k, max_num_seqs=concurrency, max_num_batched_tokens=16384)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:concurrency], params)
+    with Timer() as t:
+        outs = llm.generate(prompts, params)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+
+
+def main() -> None:
+    import serve_app
+    from actors.config import HttpConfig, ServeConfig
+    from engine.yaml_config import load_yaml
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs/embedded.yaml"))
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--save-result")
+    args = parser.parse_args()
+    config = load_yaml(args.config, ServeConfig)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        config.http = HttpConfig(port=s.getsockname()[1])
+    prompts = [r["prompt"] for r in load_prompts(args.num_prompts)]
+    url = serve_app.start(config, base=ROOT)
+    rows = []
+    try:
+        for conc in [int(c) for c in args.concurrency.split(",")]:
+            for k in (config.engine.num_speculative_tokens, 0):
+                h = asyncio.run(http_run(url, config.model_name, prompts, conc, k, args.max_tokens))
+                e = engine_run(config, prompts, conc, k, args.max_tokens)
+                rows.append({"concurrency": conc, "k": k, "http_tok_per_s": h["tok_per_s"],
+                             "engine_tok_per_s": e["tok_per_s"], "ratio": h["tok_per_s"] / e["tok_per_s"]})
+                print_table(rows[-1:], list(rows[-1]))
+    finally:
+        serve_app.stop()
+    print()
+    print_table(rows, list(rows[0]))
+    save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

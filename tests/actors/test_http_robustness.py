@@ -1,0 +1,166 @@
+"""Bad input gets the right 4xx, load gets 503, disconnects and dead actors lose nothing."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import ray
+
+from engine import SamplingParams
+from tests.actors.conftest import MODEL_NAME
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_PROMPT = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 4}
+OK_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+BAD_INPUTS = [
+    (C, b"{not json", 400), (C, b"[1, 2]", 400), (C, {"prompt": "x"}, 400), (C, {"model": MODEL_NAME}, 400),
+    (C, {**OK_PROMPT, "prompt": 3}, 400), (C, {**OK_PROMPT, "prompt": ""}, 400), (C, {**OK_PROMPT, "prompt": []}, 400),
+    (C, {**OK_PROMPT, "prompt": [99999]}, 400), (C, {**OK_PROMPT, "prompt": [5, -1]}, 400),
+    (C, {**OK_PROMPT, "prompt": "x " * 3000}, 400), (C, {**OK_PROMPT, "max_tokens": 0}, 400),
+    (C, {**OK_PROMPT, "max_tokens": -5}, 400), (C, {**OK_PROMPT, "max_tokens": 100000}, 400),
+    (C, {**OK_PROMPT, "max_tokens": "ten"}, 400), (C, {**OK_PROMPT, "temperature": -0.1}, 400),
+    (C, {**OK_PROMPT, "temperature": 2.5}, 400), (C, {**OK_PROMPT, "top_p": 0}, 400),
+    (C, {**OK_PROMPT, "top_p": 1.5}, 400), (C, {**OK_PROMPT, "top_k": -2}, 400), (C, {**OK_PROMPT, "n": 0}, 400),
+    (C, {**OK_PROMPT, "n": 9}, 400), (C, {**OK_PROMPT, "logprobs": 6}, 400), (C, {**OK_PROMPT, "logprobs": -1}, 400),
+    (C, {**OK_PROMPT, "model": "gpt-4"}, 404), (C, {**OK_PROMPT, "stop": [""]}, 400),
+    (C, {**OK_PROMPT, "stop": ["a", "b", "c", "d", "e"]}, 400), (C, {**OK_PROMPT, "num_speculative_tokens": 17}, 400),
+    (C, {**OK_PROMPT, "prompt": ["a", "b"]}, 400), (C, {**OK_PROMPT, "stream": "yes"}, 400),
+    (C, {**OK_PROMPT, "seed": "abc"}, 400), (C, {**OK_PROMPT, "stop_token_ids": [-1]}, 400),
+    (C, {**OK_PROMPT, "ignore_eos": "maybe"}, 400), (CHAT, {**OK_CHAT, "messages": []}, 400),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400), (CHAT, {"model": MODEL_NAME}, 400),
+    (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 6}, 400),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400),
+    (CHAT, {**OK_CHAT, "model": "other"}, 404), (CHAT, {**OK_CHAT, "max_completion_tokens": 0}, 400),
+]
+
+
+def _post(url: str, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def test_bad_inputs_get_openai_errors_while_a_stream_runs_intact(served, reference_llm):
+    url = served[0]
+    prompt = "def merge_sorted(a, b):\n"
+    expected = reference_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0]
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + C, json=body, timeout=300) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        statuses = []
+        for path, bad, status in BAD_INPUTS:
+            r = _post(url, path, bad)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+            statuses.append((r.status_code, status))
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert len(BAD_INPUTS) >= 30
+    assert [s for s, _ in statuses] == [s for _, s in statuses]
+    assert rest[-1] == "data: [DONE]"
+    text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in [first] + rest[:-1] if json.loads(x[6:])["choices"])
+    assert text == expected.outputs[0].text
+    assert _post(url, C, {**OK_PROMPT, "unknown_field": 1}).status_code == 200  # unknown fields are ignored
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def _engine_stats(handle) -> dict:
+    return handle.stats.remote().result(timeout_s=30)
+
+
+def _wait_idle(handle, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _engine_stats(handle)
+        if (stats["num_running"], stats["num_waiting"], stats["kv_slots_used"]) == (0, 0, 0):
+            return stats
+        assert time.monotonic() < deadline, f"engine did not return to idle: {stats}"
+        time.sleep(0.1)
+
+
+def test_client_disconnect_frees_kv_slots(served):
+    url, _, handle = served
+    _wait_idle(handle)
+    body = {"model": MODEL_NAME, "prompt": "class Parser:\n", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + C, json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert _engine_stats(handle)["kv_slots_used"] == 1
+    stats = _wait_idle(handle, timeout_s=10)
+    assert stats["finished_by_reason"].get("abort", 0) >= 1
+
+
+def test_sixteen_concurrent_streams_complete_correctly(served, reference_llm, heldout_prompts):
+    prompts = [row["prompt"] for row in heldout_prompts[1::19][:16]]
+    expected = [o.outputs[0].text for o in
+                reference_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))]
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True}
+        text = ""
+        async with client.stream("POST", served[0] + C, json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choices = json.loads(line[6:])["choices"]
+                    text += choices[0]["text"] if choices else ""
+        return text
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*[one(client, p) for p in prompts])
+
+    assert asyncio.run(run()) == expected
+
+
+def test_backpressure_answers_503_with_retry_after(served):
+    url, config, handle = served
+    limit = config.engine.scheduler.max_num_seqs + config.engine.scheduler.max_waiting
+    body = {"model": MODEL_NAME, "prompt": "import sys\n", "max_tokens": 800, "stream": True, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            streams = [client.stream("POST", url + C, json=body) for _ in range(limit + 8)]
+            responses = []
+            for s in streams:  # sequential sends: the first `limit` are admitted, the rest refused
+                responses.append(await s.__aenter__())
+            codes = [r.status_code for r in responses]
+            retry = [r.headers.get("retry-after") for r in responses if r.status_code == 503]
+            for s in streams:
+                await s.__aexit__(None, None, None)  # disconnect every stream
+            return codes, retry
+
+    codes, retry = asyncio.run(run())
+    assert codes.count(200) == limit and codes.count(503) == 8
+    assert all(r is not None for r in retry)
+    _wait_idle(handle, timeout_s=30)
+
+
+def test_killing_an_expert_actor_mid_batch_changes_no_output(served, reference_llm, heldout_prompts):
+    url, config, handle = served
+    prompts = [row["prompt"] for row in heldout_prompts[5::23][:8]]
+    expected = [o.outputs[0].text for o in reference_llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))]
+    names = handle.expert_actor_names.remote().result()
+    retries_before = _engine_stats(handle)["expert_retries"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(prompt):
+                body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 64, "temperature": 0,
+                        "ignore_eos": True}
+                r = await client.post(url + C, json=body)
+                return r.json()["choices"][0]["text"]
+
+            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            while (await handle.stats.remote())["num_running"] < len(prompts) // 2:
+                await asyncio.sleep(0.02)  # wait until the batch is running
+            ray.kill(ray.get_actor(names[0], namespace=config.experts.namespace))
+            return await asyncio.gather(*tasks)
+
+    assert asyncio.run(run()) == expected
+    assert _engine_stats(handle)["expert_retries"] > retries_before
