@@ -1,0 +1,147 @@
+"""Prometheus metrics: exact counts after synthetic observations, and valid merged exposition."""
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from observability import CONTENT_TYPE, EngineMetrics, RequestMetrics, render
+
+M = {"model_name": "tiny-moe"}
+LOADGEN_NAMES = ("specmoe:spec_decode_num_drafts_total", "specmoe:spec_decode_num_draft_tokens_total",
+                 "specmoe:spec_decode_num_accepted_tokens_total",
+                 "specmoe:spec_decode_num_accepted_tokens_per_pos_total")
+
+
+def value(registry, name, **labels):
+    return registry.get_sample_value(name, {**M, **labels})
+
+
+def test_streaming_tracker_exact_counts():
+    rm = RequestMetrics("tiny-moe")
+    r = rm.registry
+    n = 20
+    for i in range(n):
+        tr = rm.track(arrival_time=100.0)
+        assert value(r, "specmoe:num_requests_waiting") == 1
+        tr.on_tokens(1, t=100.1)                 # first chunk: TTFT 0.1, no ITL
+        assert value(r, "specmoe:num_requests_running") == 1
+        assert value(r, "specmoe:num_requests_waiting") == 0
+        tr.on_tokens(3, t=100.16)                # speculative chunk: 3 x 0.02 s
+        tr.on_tokens(2, t=100.2)                 # 2 x 0.02 s
+        tr.on_finish("length" if i % 2 else "stop", prompt_tokens=5, output_tokens=6, t=100.25,
+                     queue_time_s=0.01)
+        tr.on_finish("stop", 5, 6, t=200.0)      # a second finish is ignored
+        tr.on_tokens(4, t=200.0)                 # as are tokens after it
+    assert value(r, "specmoe:time_to_first_token_seconds_count") == n
+    assert value(r, "specmoe:time_to_first_token_seconds_sum") == pytest.approx(0.1 * n)
+    assert value(r, "specmoe:inter_token_latency_seconds_count") == 5 * n
+    assert value(r, "specmoe:inter_token_latency_seconds_sum") == pytest.approx(0.1 * n)
+    assert value(r, "specmoe:inter_token_latency_seconds_bucket", le="0.01") == 0
+    assert value(r, "specmoe:inter_token_latency_seconds_bucket", le="0.04") == 5 * n
+    assert value(r, "specmoe:time_per_output_token_seconds_sum") == pytest.approx(0.03 * n)
+    assert value(r, "specmoe:e2e_request_latency_seconds_count") == n
+    assert value(r, "specmoe:e2e_request_latency_seconds_sum") == pytest.approx(0.25 * n)
+    assert value(r, "specmoe:request_queue_time_seconds_count") == n
+    assert value(r, "specmoe:generation_tokens_total") == 6 * n
+    assert value(r, "specmoe:prompt_tokens_total") == 5 * n
+    assert value(r, "specmoe:request_success_total", finished_reason="stop") == n / 2
+    assert value(r, "specmoe:request_success_total", finished_reason="length") == n / 2
+    assert value(r, "specmoe:num_requests_running") == 0
+    assert value(r, "specmoe:num_requests_waiting") == 0
+
+
+def test_non_streaming_and_aborted_requests():
+    rm = RequestMetrics("tiny-moe", include_state_gauges=False)
+    r = rm.registry
+    rm.observe_finished("stop", 7, 4, e2e_s=2.0, ttft_s=0.5, queue_time_s=0.25)
+    tr = rm.track(arrival_time=0.0)
+    tr.on_finish("abort", prompt_tokens=3, output_tokens=0, t=1.5)  # never got a token
+    assert value(r, "specmoe:time_per_output_token_seconds_sum") == pytest.approx(0.5)  # (2 - 0.5) / 3
+    assert value(r, "specmoe:time_to_first_token_seconds_count") == 1
+    assert value(r, "specmoe:e2e_request_latency_seconds_count") == 2
+    assert value(r, "specmoe:generation_tokens_total") == 4
+    assert value(r, "specmoe:prompt_tokens_total") == 10
+    assert value(r, "specmoe:request_success_total", finished_reason="abort") == 1
+    assert value(r, "specmoe:num_requests_running") is None  # not exported
+
+
+def test_engine_metrics_exact_counts():
+    em = EngineMetrics("tiny-moe")
+    r = em.registry
+    for _ in range(10):
+        em.record_step(num_drafts=4, num_draft_tokens=12, num_accepted=7, accepted_per_position=[4, 2, 1])
+    assert value(r, "specmoe:spec_decode_num_drafts_total") == 40
+    assert value(r, "specmoe:spec_decode_num_draft_tokens_total") == 120
+    assert value(r, "specmoe:spec_decode_num_accepted_tokens_total") == 70
+    assert [value(r, "specmoe:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(3)] == [40, 20, 10]
+
+    em.set_engine_state(running=3, waiting=2, kv_usage=0.25)
+    assert value(r, "specmoe:kv_cache_usage_perc") == 0.25
+    assert value(r, "specmoe:num_requests_waiting") == 2
+
+    assert em.record_dispatch(0, [6, 0, 2, 0]) == pytest.approx(3.0)  # max 6 / mean 2
+    assert em.record_dispatch(0, {1: 4, 3: 4}, num_experts=8) == pytest.approx(4.0)
+    assert em.record_dispatch(1, [0, 0]) is None
+    assert value(r, "specmoe:moe_load_imbalance", layer="0") == pytest.approx(4.0)
+    assert value(r, "specmoe:moe_dispatch_load_imbalance_count") == 2
+
+    for i in range(30):
+        em.record_expert_call(layer=2, expert=5, num_tokens=3, latency_s=0.004, straggler=i % 10 == 0)
+    assert value(r, "specmoe:expert_tokens_total", layer="2", expert="5") == 90
+    assert value(r, "specmoe:expert_call_latency_seconds_count", layer="2", expert="5") == 30
+    assert value(r, "specmoe:expert_call_latency_seconds_bucket", layer="2", expert="5", le="0.005") == 30
+    assert value(r, "specmoe:expert_stragglers_total", layer="2", expert="5") == 3
+
+
+def test_sync_from_engine_turns_totals_into_deltas():
+    em = EngineMetrics("tiny-moe", per_expert_latency=False)
+    r = em.registry
+    snap = {"num_drafts": 5, "num_draft_tokens": 15, "num_accepted_tokens": 9, "accepted_per_position": [5, 3, 1],
+            "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.5, "num_steps": 7}
+    em.sync_from_engine(snap)
+    em.sync_from_engine(snap)  # unchanged totals add nothing
+    em.sync_from_engine({**snap, "num_drafts": 6, "num_draft_tokens": 19, "num_accepted_tokens": 13,
+                         "accepted_per_position": [6, 4, 2, 1], "num_running": 0})
+    assert value(r, "specmoe:spec_decode_num_drafts_total") == 6
+    assert value(r, "specmoe:spec_decode_num_draft_tokens_total") == 19
+    assert value(r, "specmoe:spec_decode_num_accepted_tokens_total") == 13
+    assert [value(r, "specmoe:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(4)] == [6, 4, 2, 1]
+    assert value(r, "specmoe:num_requests_running") == 0
+    em.record_expert_call(1, 3, 2, 0.01)
+    assert value(r, "specmoe:expert_call_latency_seconds_count", layer="1") == 1
+
+
+def test_recording_never_raises_and_duplicate_registration_falls_back():
+    em = EngineMetrics("tiny-moe")
+    assert em.record_expert_call("x", None, "many", "slow") is None
+    assert em.record_step(None, object(), 1) is None
+    assert em.sync_from_engine({"num_drafts": "lots"}) is None
+    shared = CollectorRegistry()
+    RequestMetrics("a", shared)
+    second = RequestMetrics("a", shared)  # same names in one registry: logged, private registry
+    assert second.registry is not shared
+    second.track().on_tokens(1)
+
+
+def test_render_merges_sources_into_valid_text():
+    rm, em = RequestMetrics("tiny-moe"), EngineMetrics("tiny-moe")
+    rm.observe_finished("stop", 3, 2, e2e_s=0.5, ttft_s=0.1)
+    rm.set_state(running=9, waiting=8)
+    em.record_step(1, 3, 2, [1, 1, 0])
+    em.set_engine_state(running=1, waiting=0, kv_usage=0.1)
+    verifier_text = em.render()  # what the ingress fetches over the verifier's handle
+    text = render(rm.registry, verifier_text, b"not prometheus {{{").decode()
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    for name in LOADGEN_NAMES[:3]:
+        assert samples[(name, (("model_name", "tiny-moe"),))] > 0
+    assert samples[(LOADGEN_NAMES[3], (("model_name", "tiny-moe"), ("position", "1")))] == 1
+    assert samples[("specmoe:num_requests_running", (("model_name", "tiny-moe"),))] == 9  # first source wins
+    assert samples[("specmoe:time_to_first_token_seconds_count", (("model_name", "tiny-moe"),))] == 1
+    type_lines = [ln for ln in text.splitlines() if ln.startswith("# TYPE")]
+    assert len(type_lines) == len(set(type_lines))  # one HELP/TYPE block per family
+    assert "_created" not in text
+    assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
