@@ -186,3 +186,13 @@ def test_step_attributes_and_otel_env_vars(clean_env):
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
     assert otel_env_vars()["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4318"
     assert all(k.startswith("OTEL_") for k in otel_env_vars())
+
+
+def test_gzip_compressed_export_is_decoded(receiver, clean_env):
+    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
+    assert setup_tracing("ingress", TracingConfig(endpoint=receiver.endpoint), set_global=False)
+    with start_span("compressed", attributes={"k": "v"}):
+        pass
+    assert shutdown_tracing(5.0)
+    (span,) = receiver.wait_for_spans(1)
+    assert (span.name, span.attributes) == ("compressed", {"k": "v"}) and not receiver.errors
