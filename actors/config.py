@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.args import EngineArgs
+from observability.tracing import TracingConfig
 
 
 class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -81,4 +82,4 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ingress: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     request_timeout_s: float = 600.0
-    tracing: dict | None = None
+    tracing: TracingConfig | None = None

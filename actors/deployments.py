@@ -65,6 +65,6 @@ def build_app(config: ServeConfig):
     if e.speculative_method == "draft":
         draft = DraftDeployment.options(**opts(config.draft)).bind(
             e.draft_model, e.dtype, e.device, e.scheduler.max_num_seqs * config.verifier.num_replicas,
-            e.max_model_len)
+            e.max_model_len, cfg["tracing"])
     verifier = VerifierDeployment.options(**opts(config.verifier)).bind(cfg, draft)
     return IngressDeployment.options(**opts(config.ingress)).bind(cfg, verifier)

@@ -52,11 +52,15 @@ class DraftServer:
     """
 
     def __init__(self, draft_model: str, dtype: str = "float32", device: str = "cpu", max_seqs: int = 16,
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, tracing: dict | None = None) -> None:
+        import msgspec
+
         from engine.drafters.draft_model import DraftModelDrafter
         from engine.loader import load_model
+        from observability import TracingConfig, setup_tracing
 
         torch.set_num_threads(1)
+        setup_tracing("draft", msgspec.convert(tracing, TracingConfig) if tracing else None)
         self.drafter = DraftModelDrafter(load_model(draft_model, dtype, device), max_seqs, max_len)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="draft")  # one model, one thread
 
@@ -68,10 +72,16 @@ class DraftServer:
         return [{"token_ids": p.token_ids, "probs": None if p.probs is None else p.probs.numpy(),
                  "generator": _gen_state(r.generator)} for p, r in zip(proposals, requests)]
 
-    async def propose(self, wire: list[dict], release: list[str] | None = None) -> list[dict]:
+    async def propose(self, wire: list[dict], release: list[str] | None = None,
+                      carrier: dict | None = None) -> list[dict]:
         """Draft tokens for each request; model work runs off the event loop."""
+        from observability import SpanKind, start_span
+        from observability import semconv as sc
+
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.propose_sync, wire, release or [])
+        with start_span(sc.SPAN_DRAFT_FORWARD, carrier=carrier, kind=SpanKind.SERVER,
+                        attributes={sc.STEP_BATCH_SIZE: len(wire)}):
+            return await loop.run_in_executor(self._executor, self.propose_sync, wire, release or [])
 
     async def num_cache_misses(self) -> int:
         return self.drafter.num_cache_misses
@@ -89,9 +99,13 @@ class RemoteDrafter:
         self.num_failures = 0
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        from observability import inject_context, is_enabled
+
         release, self._released = self._released, []
+        carrier = inject_context() if is_enabled() else None  # the draft.propose span, this thread
         try:
-            future = asyncio.run_coroutine_threadsafe(self._call(requests_to_wire(requests), release), self.loop)
+            future = asyncio.run_coroutine_threadsafe(self._call(requests_to_wire(requests), release, carrier),
+                                                      self.loop)
             wire = future.result(self.timeout_s)
         except Exception as e:  # draft failure: speculation off for this step only
             self.num_failures += 1
@@ -105,8 +119,8 @@ class RemoteDrafter:
             out.append(DraftProposal(list(w["token_ids"]), probs))
         return out
 
-    async def _call(self, wire: list[dict], release: list[str]) -> list[dict]:
-        return await self.handle.propose.remote(wire, release)
+    async def _call(self, wire: list[dict], release: list[str], carrier: dict | None) -> list[dict]:
+        return await self.handle.propose.remote(wire, release, carrier)
 
     def release(self, seq_id: str) -> None:
         self._released.append(seq_id)  # sent with the next proposal call

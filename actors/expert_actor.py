@@ -19,11 +19,11 @@ class ExpertWorker:
         expert_ids: experts held (sorted), the same for every MoE layer.
         dtype, device: weight/activation dtype and device.
         torch_threads: torch intra-op threads (1 on CPU, so actors share cores fairly).
-        role: label for telemetry.
+        tracing: :class:`observability.TracingConfig` as builtins (None: environment only).
     """
 
     def __init__(self, checkpoint: str, expert_ids: list[int], dtype: str = "float32", device: str = "cpu",
-                 torch_threads: int = 1) -> None:
+                 torch_threads: int = 1, tracing: dict | None = None) -> None:
         import torch
 
         from engine.checkpoint import CheckpointReader
@@ -40,15 +40,14 @@ class ExpertWorker:
         self.delay_s = 0.0
         self.num_calls = 0
         self.actor_id = _actor_id()
-        self._setup_tracing()
+        self._setup_tracing(tracing)
 
-    def _setup_tracing(self) -> None:
-        try:
-            from observability.tracing import setup_tracing
+    def _setup_tracing(self, tracing: dict | None) -> None:
+        import msgspec
 
-            setup_tracing("expert")
-        except Exception:  # telemetry never prevents serving
-            pass
+        from observability import TracingConfig, setup_tracing
+
+        setup_tracing("expert", msgspec.convert(tracing, TracingConfig) if tracing else None)
 
     def forward(self, layer: int, counts: list[int], hidden: np.ndarray, weights: np.ndarray,
                 sent_time_s: float, carrier: dict | None = None) -> tuple[np.ndarray, dict]:
@@ -82,14 +81,18 @@ class ExpertWorker:
         return to_wire(out), timing
 
     def _trace(self, layer: int, counts: list[int], timing: dict, carrier: dict | None) -> None:
+        """The actor-side span of this call: a child of the router's call span."""
         if carrier is None:
             return
-        try:
-            from observability.expert_spans import record_expert_span
+        from observability import SpanKind, emit_span
+        from observability import semconv as sc
 
-            record_expert_span(carrier, layer, self.expert_ids, counts, timing)
-        except Exception:
-            pass
+        start_ns = int(timing["start_s"] * 1e9)
+        emit_span(sc.SPAN_EXPERT_COMPUTE, start_ns, start_ns + int(timing["compute_ms"] * 1e6), {
+            sc.MOE_LAYER: layer, sc.EXPERT_ID: ",".join(str(e) for e, c in zip(self.expert_ids, counts) if c),
+            sc.EXPERT_REPLICA: self.actor_id, sc.EXPERT_NUM_TOKENS: sum(counts),
+            sc.EXPERT_QUEUE_TIME_MS: timing["queue_ms"], sc.EXPERT_COMPUTE_TIME_MS: timing["compute_ms"],
+        }, carrier=carrier, kind=SpanKind.SERVER)
 
     def set_delay_ms(self, delay_ms: float) -> None:
         """Make every call sleep ``delay_ms`` first (a configured artificial straggler)."""

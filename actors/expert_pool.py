@@ -48,6 +48,7 @@ class ExpertPool:
     dtype: str = "float32"
     device: str = "cpu"
     prefix: str = "specmoe-experts"
+    tracing: dict | None = None  # TracingConfig as builtins, for the actors' own exporters
     groups: list[list[int]] = field(default_factory=list)
     replicas: dict[int, list[Replica]] = field(default_factory=dict)
 
@@ -64,7 +65,7 @@ class ExpertPool:
         options = dict(name=name, namespace=self.config.namespace, get_if_exists=True, lifetime="detached",
                        num_cpus=0, num_gpus=self.config.num_gpus, max_concurrency=1)
         handle = ExpertActor.options(**options).remote(
-            self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads)
+            self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads, self.tracing)
         return Replica(group, index, generation, name, handle)
 
     def group_of(self, expert: int) -> int:

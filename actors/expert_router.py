@@ -53,9 +53,12 @@ class CallRecord:
 
 
 class NullTelemetry:
-    """Router hooks that do nothing (tracing and metrics plug in here)."""
+    """Router hooks that do nothing (``actors.telemetry.RouterTelemetry`` plugs in here)."""
 
-    def begin_dispatch(self, layer: int, num_tokens: int, records: list[CallRecord]) -> Any:
+    def current_carrier(self) -> dict | None:
+        return None
+
+    def begin_dispatch(self, layer: int, num_tokens: int, records: list[CallRecord], parent: dict | None) -> Any:
         return None
 
     def call_carrier(self, dispatch_ctx: Any, record: CallRecord) -> dict | None:
@@ -86,13 +89,14 @@ class AsyncExpertRouter:
     def execute(self, layer: int, hidden: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
         """Called from the engine's worker thread; never from the event loop itself."""
         plan = dispatch(hidden, routing)
+        parent = self.telemetry.current_carrier()  # this thread's span, for the dispatch span
         future = asyncio.run_coroutine_threadsafe(
-            self.run_layer(layer, plan.hidden, plan.weights, plan.expert_counts.tolist()), self.loop)
+            self.run_layer(layer, plan.hidden, plan.weights, plan.expert_counts.tolist(), parent), self.loop)
         out = future.result()
         return combine(out, plan.token_index, hidden.shape[0])
 
     async def run_layer(self, layer: int, rows: torch.Tensor, weights: torch.Tensor,
-                        expert_counts: list[int]) -> torch.Tensor:
+                        expert_counts: list[int], parent: dict | None = None) -> torch.Tensor:
         """Send each group's contiguous rows to one replica concurrently; gather in order.
 
         Args:
@@ -108,7 +112,7 @@ class AsyncExpertRouter:
                 records.append(CallRecord(layer, g, experts, counts, n))
                 slices.append((start, start + n))
             start += n
-        ctx = self.telemetry.begin_dispatch(layer, rows.shape[0], records)
+        ctx = self.telemetry.begin_dispatch(layer, rows.shape[0], records, parent)
         results = await asyncio.gather(*[
             self._call_group(rec, rows[a:b], weights[a:b], ctx) for rec, (a, b) in zip(records, slices)
         ])

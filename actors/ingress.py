@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -19,6 +20,9 @@ from actors.chat_template import ChatTemplate
 from actors.config import ServeConfig
 from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
 from actors.responses import ResponseBuilder, error_body, sse
+from actors.telemetry import RequestTelemetry
+from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
+from observability import semconv as sc
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="specmoe", version="0.1.0")
@@ -49,7 +53,9 @@ class IngressServer:
         self.tokenizer, template = load_tokenizer(Path(model_path))
         self.chat_template = ChatTemplate(template)
         self._ids = itertools.count()
-        self.metrics = _request_metrics(self.model_name)
+        setup_tracing("ingress", config.tracing)
+        # The engine's running/waiting gauges are the ones served (include_state_gauges=False).
+        self.metrics = RequestMetrics(self.model_name, include_state_gauges=False)
 
     # ------------------------------------------------------------------ routes
     async def completions(self, request: Request) -> Response:
@@ -70,15 +76,12 @@ class IngressServer:
         return Response(status_code=200)
 
     async def metrics_text(self) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
-        from prometheus_client import generate_latest
-
-        parts = [generate_latest(self.metrics.registry) if self.metrics else b""]
+        parts = [self.metrics.registry]
         try:
             parts.append(await self.verifier.metrics_text.remote())
         except Exception as e:  # metrics never fail the endpoint
             log.warning("verifier metrics unavailable: %s", e)
-        return Response(b"".join(parts), media_type=CONTENT_TYPE)
+        return Response(render(*parts), media_type=CONTENT_TYPE)
 
     # ----------------------------------------------------------------- handling
     def _prepare(self, body: bytes, kind: str):
@@ -113,70 +116,77 @@ class IngressServer:
         return req, ids, prompt_text, params, logprobs is not None
 
     async def _handle(self, request: Request, kind: str) -> Response:
-        t_start = time.monotonic()
+        route = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        op = sc.GEN_AI_OPERATION_TEXT_COMPLETION if kind == "completion" else sc.GEN_AI_OPERATION_CHAT
+        tel = RequestTelemetry(self.metrics, route, dict(request.headers), op, self.model_name, time.monotonic())
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
             req, ids, prompt_text, params, want_lp = self._prepare(await request.body(), kind)
         except ProtocolError as e:
+            tel.finish(e.status, rid)
             return _error(e.status, str(e), e.param, e.code)
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        from ray.serve.handle import DeploymentHandle
-
-        verifier = self.verifier.options(stream=True) if isinstance(self.verifier, DeploymentHandle) else self.verifier
-        import msgspec
-
-        stream = verifier.generate.remote(ids, msgspec.to_builtins(params), prompt_text, rid)
+        tel.trace.request(sc.gen_ai_request_attributes(op, self.model_name, max_tokens=params.max_tokens,
+                                                       temperature=params.temperature, top_p=params.top_p,
+                                                       seed=params.seed))
+        stream = self._verifier_stream().generate.remote(ids, msgspec.to_builtins(params), prompt_text, rid,
+                                                         tel.trace.carrier())
         try:
             first = await stream.__anext__()
         except Exception as e:
             log.exception("verifier failed to accept %s", rid)
+            tel.finish(500, rid)
             return _error(500, f"internal error: {type(e).__name__}")
         if first["type"] == "error":
+            tel.finish(first["status"], rid)
             headers = {"Retry-After": "1"} if first["status"] == 503 else None
             return _error(first["status"], first["message"], None, None, headers)
         builder = ResponseBuilder(kind, self.model_name, rid, params.n, self.tokenizer, want_lp)
-        tracker = self.metrics.track(len(ids), t_start) if self.metrics else None
         if req.stream:
-            return StreamingResponse(self._sse(stream, builder, req.include_usage, tracker),
+            return StreamingResponse(self._sse(stream, builder, req.include_usage, tel),
                                      media_type="text/event-stream")
+        status = 200
         try:
             async for item in stream:
-                self._absorb(builder, item, tracker)
+                self._absorb(builder, item, tel)
         except Exception as e:
             log.exception("request %s failed", rid)
+            status = 500
             return _error(500, f"internal error: {type(e).__name__}")
         finally:
             stream.cancel()
+            tel.finish(status, rid)
         return JSONResponse(builder.final())
 
-    def _absorb(self, builder: ResponseBuilder, item: dict, tracker) -> list[dict]:
+    def _verifier_stream(self):
+        from ray.serve.handle import DeploymentHandle
+
+        if isinstance(self.verifier, DeploymentHandle):
+            return self.verifier.options(stream=True)
+        return self.verifier
+
+    def _absorb(self, builder: ResponseBuilder, item: dict, tel: RequestTelemetry) -> list[dict]:
         if item["type"] == "error":
             raise RuntimeError(item["message"])
         chunks = builder.add(item)
-        if tracker is not None:
-            tracker.on_item(item)
+        tel.on_item(item)
         return chunks
 
-    async def _sse(self, stream, builder: ResponseBuilder, include_usage: bool, tracker):
+    async def _sse(self, stream, builder: ResponseBuilder, include_usage: bool, tel: RequestTelemetry):
+        status = 200
         try:
             async for item in stream:
-                for chunk in self._absorb(builder, item, tracker):
+                for chunk in self._absorb(builder, item, tel):
                     yield sse(chunk)
             if include_usage:
                 yield sse(builder.usage_chunk())
         except Exception as e:  # mid-stream failure: tell the client in-band, then end the stream
             log.exception("stream %s failed", builder.id)
+            status = 500
             yield sse(error_body(f"internal error: {type(e).__name__}", "internal_error"))
         finally:
             stream.cancel()  # client gone or done: the verifier aborts an unfinished request
+            tel.finish(status, builder.id)
         yield sse("[DONE]")
 
 
-def _request_metrics(model_name: str):
-    try:
-        from actors.request_tracker import RequestTracker
-
-        return RequestTracker(model_name)
-    except Exception:  # metrics are optional
-        log.exception("request metrics unavailable")
-        return None

@@ -36,8 +36,16 @@ class VerifierServer:
     """
 
     def __init__(self, config: dict, draft_handle=None) -> None:
+        from actors.telemetry import VerifierTelemetry
+        from observability import EngineMetrics, StragglerDetector, setup_tracing
+
         self.config = msgspec.convert(config, ServeConfig)
         torch.set_num_threads(1)
+        setup_tracing("verifier", self.config.tracing)
+        self.metrics = EngineMetrics(self.config.model_name)
+        self.telemetry = VerifierTelemetry()
+        self.stragglers = StragglerDetector(self.config.experts.straggler_multiple,
+                                            self.config.experts.straggler_floor_ms)
         self.draft_handle = draft_handle
         self.engine: LLMEngine | None = None
         self._streams: dict[str, asyncio.Queue] = {}
@@ -57,7 +65,9 @@ class VerifierServer:
         target_config = load_model_config(e.model)
         self.pool = None
         if target_config.is_moe:
-            self.pool = ExpertPool(e.model, target_config.moe.num_experts, self.config.experts, e.dtype, e.device)
+            tracing = msgspec.to_builtins(self.config.tracing) if self.config.tracing else None
+            self.pool = ExpertPool(e.model, target_config.moe.num_experts, self.config.experts, e.dtype, e.device,
+                                   tracing=tracing)
             self.pool.start()
 
     async def _ensure_started(self) -> None:
@@ -75,12 +85,16 @@ class VerifierServer:
     def _build_engine(self, loop: asyncio.AbstractEventLoop) -> LLMEngine:
         from actors.draft_server import RemoteDrafter
         from actors.expert_router import AsyncExpertRouter
+        from actors.telemetry import RouterTelemetry
         from engine.drafters.base import NoneDrafter
         from engine.drafters.ngram import NgramDrafter
         from engine.loader import load_model, resolve_dtype
 
         e = self.config.engine
-        router = AsyncExpertRouter(self.pool, loop, resolve_dtype(e.dtype)) if self.pool else None
+        router = None
+        if self.pool:
+            router = AsyncExpertRouter(self.pool, loop, resolve_dtype(e.dtype),
+                                       RouterTelemetry(self.metrics, self.stragglers))
         target = load_model(e.model, e.dtype, e.device, experts=router)
         if e.speculative_method == "draft" and self.draft_handle is not None:
             drafter = RemoteDrafter(self.draft_handle, loop)
@@ -90,7 +104,7 @@ class VerifierServer:
             drafter = NoneDrafter()
         self.router = router
         max_len = e.max_model_len or target.config.max_position_embeddings
-        return LLMEngine(target, drafter, e.num_speculative_tokens, e.scheduler, max_len)
+        return LLMEngine(target, drafter, e.num_speculative_tokens, e.scheduler, max_len, self.telemetry)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -110,9 +124,12 @@ class VerifierServer:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(step_item(out))
+            self.metrics.sync_from_engine(self.engine.get_metrics())
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
+        if not pending:
+            return
         for op, *args in pending:
             try:
                 if op == "add":
@@ -123,9 +140,10 @@ class VerifierServer:
                 queue = self._streams.get(args[0])
                 if queue is not None:
                     queue.put_nowait(error_item(e))
+        self.metrics.sync_from_engine(self.engine.get_metrics())  # gauges move on add/abort too
 
     async def generate(self, prompt_token_ids: list[int], params: dict, prompt: str | None = None,
-                       request_id: str | None = None) -> AsyncIterator[dict]:
+                       request_id: str | None = None, carrier: dict | None = None) -> AsyncIterator[dict]:
         """Stream engine outputs for one request.
 
         The first item is ``{"type": "accepted"}`` or an error item (HTTP status + message); then
@@ -145,6 +163,8 @@ class VerifierServer:
             return
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
+        if carrier:
+            self.telemetry.carriers[rid] = carrier
         self._pending.append(("add", rid, prompt_token_ids, sp, prompt, time.monotonic()))
         self._wakeup.set()
         finished = False
@@ -156,6 +176,7 @@ class VerifierServer:
                 yield item
         finally:
             self._streams.pop(rid, None)
+            self.telemetry.carriers.pop(rid, None)
             if not finished:
                 self._pending.append(("abort", rid))
                 self._wakeup.set()
@@ -165,15 +186,21 @@ class VerifierServer:
         await self._ensure_started()
         m = self.engine.get_metrics()
         m["expert_retries"] = self.router.num_retries if self.router else 0
+        m["straggler_counts"] = {f"{layer}/{call}": n for (layer, call), n in self.stragglers.counts().items()}
         m["draft_failures"] = getattr(self.engine.drafter, "num_failures", 0)
         return m
 
     async def expert_actor_names(self) -> list[str]:
         return [r.name for r in self.pool.all_replicas()] if self.pool else []
 
+    async def set_expert_delay_ms(self, group: int, delay_ms: float) -> None:
+        """Make every replica of one expert group sleep ``delay_ms`` per call (a configured
+        artificial straggler, for tests and demos)."""
+        await asyncio.gather(*[r.handle.set_delay_ms.remote(delay_ms) for r in self.pool.replicas[group]])
+
     async def metrics_bytes(self) -> bytes:
-        """Prometheus text of this replica's engine metrics (empty until metrics are wired)."""
-        return b""
+        """Prometheus text of this replica's engine metrics."""
+        return self.metrics.render()
 
     async def check_health(self) -> None:
         """Serve's health check: the engine loop must be alive once started."""

@@ -23,11 +23,12 @@ from engine.drafters.base import Drafter, DraftProposal, DraftRequest
 from engine.errors import SpecmoeError
 from engine.loader import LoadedModel
 from engine.model import ForwardBatch
+from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats, TokenLogprob
 from engine.sampling import compute_probs, draw_uniforms, make_generator, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class LLMEngine:
         num_speculative_tokens: default draft length k (0..16); a request may override it.
         scheduler_config: batching limits; ``max_num_seqs`` sizes the target KV cache.
         max_model_len: context window (defaults to the target's ``max_position_embeddings``).
+        observer: step/phase hooks (tracing); defaults to none.
     """
 
     def __init__(
@@ -55,8 +57,11 @@ class LLMEngine:
         num_speculative_tokens: int = 0,
         scheduler_config: SchedulerConfig | None = None,
         max_model_len: int | None = None,
+        observer: StepObserver | None = None,
     ) -> None:
         self.target = target
+        self.observer = observer or NullStepObserver()
+        self.last_step = StepStats()
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig())
@@ -152,14 +157,27 @@ class LLMEngine:
         for seq in seqs:  # every completion of a touched request: a finished sibling adds nothing
             for completion in seq.request.outputs:
                 completion.new_text, completion.new_token_ids = "", []
-        try:
-            drafts = self._propose(sched.decodes, sched.speculate)
-            self._verify_and_emit(sched.prefills, sched.decodes, drafts)
-        except Exception:  # a failed step fails only the sequences in it; the engine keeps serving
-            log.exception("engine step failed; failing %d sequences", len(seqs))
-            for seq in seqs:
-                if seq.status is not SeqStatus.FINISHED:
-                    self._finish(seq, "error")
+        start = time.perf_counter()
+        before = (self.stats.num_draft_tokens, self.stats.num_accepted_tokens, self.stats.num_emitted_tokens)
+        with self.observer.step(sorted({s.request_id for s in seqs})) as report:
+            try:
+                with self.observer.phase(PHASE_DRAFT):
+                    drafts = self._propose(sched.decodes, sched.speculate)
+                self._verify_and_emit(sched.prefills, sched.decodes, drafts)
+            except Exception:  # a failed step fails only the sequences in it; the engine keeps serving
+                log.exception("engine step failed; failing %d sequences", len(seqs))
+                drafts = {}
+                for seq in seqs:
+                    if seq.status is not SeqStatus.FINISHED:
+                        self._finish(seq, "error")
+            self.last_step = StepStats(
+                batch_size=len(seqs), num_prefills=len(sched.prefills),
+                num_drafted=self.stats.num_draft_tokens - before[0],
+                num_accepted=self.stats.num_accepted_tokens - before[1],
+                num_emitted=self.stats.num_emitted_tokens - before[2],
+                k=max((len(p.token_ids) for p in drafts.values()), default=0),
+                duration_s=time.perf_counter() - start)
+            report(self.last_step)
         self.num_steps += 1
         return self._collect(seqs)
 
@@ -197,9 +215,15 @@ class LLMEngine:
         for seq, start, toks in zip(seqs, starts, new_tokens):
             self.kv.reserve(seq.slot, start + len(toks))
         batch = ForwardBatch.build([s.slot for s in seqs], new_tokens, starts, logits=num_logits)
-        logits = self.target.model.forward(batch, self.kv)  # (sum(num_logits), vocab)
-        rows = torch.split(logits, num_logits)
-        out_ids, num_acc = self._rejection_sample(seqs, draft_lists, rows, drafts)
+        with self.observer.phase(PHASE_TARGET):
+            logits = self.target.model.forward(batch, self.kv)  # (sum(num_logits), vocab)
+        with self.observer.phase(PHASE_VERIFY):
+            rows = torch.split(logits, num_logits)
+            out_ids, num_acc = self._rejection_sample(seqs, draft_lists, rows, drafts)
+            self._emit_all(seqs, starts, new_tokens, draft_lists, rows, out_ids, num_acc)
+
+    def _emit_all(self, seqs, starts, new_tokens, draft_lists, rows, out_ids, num_acc) -> None:
+        """Emit each sequence's accepted run and roll its KV cache back to what it kept."""
         for b, seq in enumerate(seqs):
             emitted = out_ids[b, : num_acc[b] + 1].tolist()
             kept_cache = starts[b] + len(new_tokens[b]) - len(draft_lists[b]) + num_acc[b]

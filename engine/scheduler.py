@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,234 @@
+"""Tracing and metrics hooks of the verifier: engine steps and expert dispatches.
+
+Span tree of one request (processes in brackets)::
+
+    POST /v1/completions [ingress] > text_completion <model> [ingress]
+      > specmoe.engine.step [verifier]   parent: the oldest request in the batch; links: all of them
+          > specmoe.draft.propose [verifier] > specmoe.draft.forward [draft]
+          > specmoe.target.forward [verifier] > specmoe.moe.dispatch (per layer)
+              > specmoe.expert.call [verifier, one per actor call; straggler flag]
+                  > specmoe.expert.compute [expert actor]
+          > specmoe.verify [verifier]
+
+Every hook swallows its own errors: telemetry never raises into a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+from opentelemetry import trace
+
+from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, StepStats
+from observability import (
+    EngineMetrics,
+    RequestMetrics,
+    SpanKind,
+    StragglerDetector,
+    extract_context,
+    get_tracer,
+    inject_context,
+    is_enabled,
+    link_from_carrier,
+    set_attributes,
+    start_span,
+)
+from observability import semconv as sc
+
+log = logging.getLogger(__name__)
+PHASE_SPANS = {PHASE_DRAFT: sc.SPAN_DRAFT_PROPOSE, PHASE_TARGET: sc.SPAN_TARGET_FORWARD, PHASE_VERIFY: sc.SPAN_VERIFY}
+
+
+class VerifierTelemetry:
+    """The engine's :class:`StepObserver`: a span per step and per phase.
+
+    ``carriers`` maps request id -> W3C carrier of the request's gen_ai span (set by the verifier).
+    """
+
+    def __init__(self) -> None:
+        self.carriers: dict[str, dict] = {}
+
+    @contextmanager
+    def step(self, request_ids: list[str]):
+        carriers = [self.carriers.get(r) for r in request_ids]
+        parent = next((c for c in carriers if c), None)
+        links = [link_from_carrier(c, {sc.REQUEST_ID: r}) for r, c in zip(request_ids, carriers) if c]
+        with start_span(sc.SPAN_ENGINE_STEP, carrier=parent, links=links) as span:
+            yield lambda stats: set_attributes(span, _step_attributes(stats))
+
+    def phase(self, name: str):
+        kind = SpanKind.CLIENT if name == PHASE_DRAFT else SpanKind.INTERNAL
+        return start_span(PHASE_SPANS.get(name, f"specmoe.{name}"), kind=kind)
+
+
+def _step_attributes(s: StepStats) -> dict:
+    return {sc.STEP_BATCH_SIZE: s.batch_size, sc.STEP_NUM_PREFILLS: s.num_prefills, sc.STEP_K: s.k,
+            sc.STEP_NUM_DRAFTED_TOKENS: s.num_drafted, sc.STEP_NUM_ACCEPTED_TOKENS: s.num_accepted,
+            sc.STEP_NUM_EMITTED_TOKENS: s.num_emitted}
+
+
+class RouterTelemetry:
+    """Expert-router hooks: dispatch and call spans, straggler flags, per-expert metrics.
+
+    Call spans start when the call is sent (so the actor's span can be their child) and end,
+    with their recorded end time, once the whole dispatch is back and stragglers are known.
+    """
+
+    def __init__(self, metrics: EngineMetrics | None, detector: StragglerDetector) -> None:
+        self.metrics, self.detector = metrics, detector
+
+    def current_carrier(self) -> dict | None:
+        """The caller's context (the target-forward span), captured on the engine thread."""
+        return inject_context() if is_enabled() else None
+
+    def begin_dispatch(self, layer: int, num_tokens: int, records: list, parent: dict | None):
+        if not is_enabled():
+            return None
+        try:
+            parent_ctx = extract_context(parent)
+            span = get_tracer().start_span(sc.SPAN_MOE_DISPATCH, context=parent_ctx, attributes={
+                sc.MOE_LAYER: layer, sc.MOE_NUM_TOKENS: num_tokens, sc.MOE_NUM_EXPERTS_HIT: len(records)})
+            return span, trace.set_span_in_context(span, parent_ctx)
+        except Exception:
+            log.debug("dispatch span failed", exc_info=True)
+            return None
+
+    def call_carrier(self, dispatch, record) -> dict | None:
+        if dispatch is None:
+            return None
+        try:
+            record.span = get_tracer().start_span(sc.SPAN_EXPERT_CALL, context=dispatch[1], kind=SpanKind.CLIENT)
+            return inject_context(trace.set_span_in_context(record.span, dispatch[1]))
+        except Exception:
+            log.debug("call span failed", exc_info=True)
+            return None
+
+    def end_dispatch(self, dispatch, layer: int, expert_counts: list[int], records: list) -> None:
+        try:
+            flagged = self.detector.flag({r.group: r.latency_ms for r in records}, layer=layer)
+            for r in records:
+                self._record_call(layer, r, r.group in flagged)
+            if self.metrics is not None:
+                self.metrics.record_dispatch(layer, expert_counts)
+            if dispatch is not None:
+                dispatch[0].set_attribute(sc.MOE_NUM_STRAGGLERS, len(flagged))
+                dispatch[0].end()
+        except Exception:
+            log.debug("dispatch telemetry failed", exc_info=True)
+
+    def _record_call(self, layer: int, r, straggler: bool) -> None:
+        if self.metrics is not None:
+            for expert, count in zip(r.expert_ids, r.counts):
+                if count:
+                    self.metrics.record_expert_call(layer, expert, count, r.latency_ms / 1e3, straggler)
+        if r.span is None:
+            return
+        compute_ms = r.timing.get("compute_ms", 0.0)
+        r.span.set_attributes({
+            sc.MOE_LAYER: layer, sc.EXPERT_ID: ",".join(str(e) for e in r.expert_ids),
+            sc.EXPERT_REPLICA: r.timing.get("actor_id", r.replica), sc.EXPERT_NUM_TOKENS: r.rows,
+            sc.EXPERT_QUEUE_TIME_MS: max(0.0, r.latency_ms - compute_ms), sc.EXPERT_COMPUTE_TIME_MS: compute_ms,
+            sc.EXPERT_STRAGGLER: straggler, "specmoe.expert.attempts": r.attempts})
+        r.span.end(end_time=int(r.done_s * 1e9))
+
+
+class RequestTrace:
+    """The HTTP server span and the gen_ai span of one request, open for its whole life
+    (a streaming response outlives the handler that starts it, so these are ended by hand)."""
+
+    def __init__(self, route: str, headers: dict, operation: str, model: str) -> None:
+        self.http = self.gen_ai = None
+        self.context = None
+        if not is_enabled():
+            return
+        try:
+            tracer = get_tracer()
+            parent = extract_context(headers)  # an incoming traceparent, if the client sent one
+            self.http = tracer.start_span(sc.http_span_name("POST", route), context=parent, kind=SpanKind.SERVER,
+                                          attributes={sc.HTTP_REQUEST_METHOD: "POST", sc.HTTP_ROUTE: route})
+            http_ctx = trace.set_span_in_context(self.http, parent)
+            self.gen_ai = tracer.start_span(sc.gen_ai_span_name(operation, model), context=http_ctx,
+                                            kind=SpanKind.CLIENT)
+            self.context = trace.set_span_in_context(self.gen_ai, http_ctx)
+        except Exception:
+            log.debug("request spans failed", exc_info=True)
+
+    def carrier(self) -> dict | None:
+        """W3C context of the gen_ai span, sent to the verifier with the request."""
+        return inject_context(self.context) if self.context is not None else None
+
+    def request(self, attributes: dict) -> None:
+        if self.gen_ai is not None:
+            set_attributes(self.gen_ai, attributes)
+
+    def first_token(self, ttft_s: float) -> None:
+        if self.gen_ai is not None:
+            self.gen_ai.add_event(sc.EVENT_FIRST_TOKEN, {sc.EVENT_TTFT_S: ttft_s})
+
+    def end(self, status: int, response_attributes: dict | None = None, reasons: list | None = None) -> None:
+        try:
+            if self.gen_ai is not None:
+                set_attributes(self.gen_ai, response_attributes or {})
+                self.gen_ai.add_event(sc.EVENT_FINISH, {sc.EVENT_FINISH_REASON: ",".join(str(r) for r in reasons or [])})
+                self.gen_ai.end()
+            if self.http is not None:
+                self.http.set_attribute(sc.HTTP_RESPONSE_STATUS_CODE, status)
+                if status >= 500:
+                    self.http.set_status(trace.Status(trace.StatusCode.ERROR))
+                self.http.end()
+        except Exception:
+            log.debug("ending request spans failed", exc_info=True)
+        self.http = self.gen_ai = None
+
+
+class RequestTelemetry:
+    """Metrics (TTFT, ITL, TPOT, e2e, queue time, tokens) and spans of one HTTP request."""
+
+    def __init__(self, metrics: RequestMetrics | None, route: str, headers: dict, operation: str, model: str,
+                 arrival_s: float) -> None:
+        self.trace = RequestTrace(route, headers, operation, model)
+        self.tracker = metrics.track(arrival_s) if metrics is not None else None
+        self.arrival_s = arrival_s
+        self.usage: dict | None = None
+        self.queue_time_s: float | None = None
+        self.reasons: dict[int, str] = {}
+        self.num_tokens = 0
+        self.done = False
+
+    def on_item(self, item: dict) -> None:
+        """One verifier stream item (see ``actors/stream_items.py``)."""
+        try:
+            import time
+
+            n = sum(len(c["new_token_ids"]) for c in item["choices"])
+            if n:
+                if self.num_tokens == 0:
+                    self.trace.first_token(time.monotonic() - self.arrival_s)
+                self.num_tokens += n
+                if self.tracker is not None:
+                    self.tracker.on_tokens(n)
+            for c in item["choices"]:
+                if c["finish_reason"] is not None:
+                    self.reasons[c["index"]] = c["finish_reason"]
+            if item.get("usage"):
+                self.usage, self.queue_time_s = item["usage"], item.get("queue_time_s")
+        except Exception:
+            log.debug("request telemetry failed", exc_info=True)
+
+    def finish(self, status: int, response_id: str, reason_if_unfinished: str = "abort") -> None:
+        """Close the request's metrics and spans exactly once (also on abort and errors)."""
+        if self.done:
+            return
+        self.done = True
+        reasons = [self.reasons[i] for i in sorted(self.reasons)] or [reason_if_unfinished]
+        prompt = self.usage["prompt_tokens"] if self.usage else 0
+        output = self.usage["completion_tokens"] if self.usage else self.num_tokens
+        if self.tracker is not None and status < 400:
+            self.tracker.on_finish(reasons[0] if self.usage else reason_if_unfinished, prompt, output,
+                                   queue_time_s=self.queue_time_s)
+        elif self.tracker is not None:
+            self.tracker.on_finish("error" if status >= 500 else "rejected", 0, 0)
+        self.trace.end(status, sc.gen_ai_response_attributes(
+            response_id=response_id, finish_reasons=reasons, input_tokens=prompt if self.usage else None,
+            output_tokens=output if self.usage else None), reasons)
