@@ -33,8 +33,9 @@ def test_config(**engine) -> ServeConfig:
 @pytest.fixture(scope="session")
 def served():
     """(base_url, config, verifier handle) of the running app."""
-    import serve_app
     from ray import serve
+
+    import serve_app
 
     config = test_config()
     url = serve_app.start(config)

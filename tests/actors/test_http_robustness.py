@@ -5,7 +5,6 @@ import json
 import time
 
 import httpx
-import pytest
 import ray
 
 from engine import SamplingParams

@@ -1,7 +1,6 @@
 """Speculative decoding is lossless on the bundled pair, under continuous batching."""
 
 import pytest
-import torch
 
 from engine.drafters.base import NoneDrafter
 from engine.drafters.draft_model import DraftModelDrafter
