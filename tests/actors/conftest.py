@@ -18,26 +18,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_config(**engine) -> ServeConfig:
-    """The embedded config, shrunk for tests: small queues so backpressure is reachable."""
+def test_config(tracing_endpoint: str | None = None, **engine) -> ServeConfig:
+    """The embedded config, shrunk for tests: small queues so backpressure is reachable, and four
+    expert actors (two experts each) so a dispatch has enough calls for a median."""
     return msgspec.convert({
         "model_name": MODEL_NAME,
         "engine": {"model": TARGET, "draft_model": DRAFT, "num_speculative_tokens": 4,
                    "scheduler": {"max_num_seqs": 16, "max_waiting": 16, "max_num_batched_tokens": 8192},
                    **engine},
-        "experts": {"experts_per_actor": 4, "call_timeout_s": 5.0},
+        "experts": {"experts_per_actor": 2, "call_timeout_s": 5.0, "straggler_floor_ms": 20.0},
         "http": {"host": "127.0.0.1", "port": free_port()},
+        "tracing": {"endpoint": tracing_endpoint, "schedule_delay_ms": 200} if tracing_endpoint else None,
     }, ServeConfig)
 
 
 @pytest.fixture(scope="session")
-def served():
+def otlp_receiver():
+    """A real OTLP/HTTP receiver every process of the app exports its spans to."""
+    from tests.helpers.otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def served(otlp_receiver):
     """(base_url, config, verifier handle) of the running app."""
     from ray import serve
 
     import serve_app
 
-    config = test_config()
+    config = test_config(tracing_endpoint=otlp_receiver.endpoint)
     url = serve_app.start(config)
     handle = serve.get_deployment_handle("verifier", app_name=serve_app.APP_NAME)
     yield url, config, handle

@@ -1,0 +1,130 @@
+"""One request's trace spans every process; slow experts are flagged; metrics add up exactly."""
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from observability import semconv as sc
+from tests.actors.conftest import MODEL_NAME
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 12, **extra) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _trace_of(receiver, response_id: str, timeout_s: float = 15.0) -> list:
+    """Every span of the trace whose gen_ai span has this response id (waits for the exports)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gen_ai = [s for s in receiver.spans if s.attributes.get(sc.GEN_AI_RESPONSE_ID) == response_id]
+        if gen_ai:
+            spans = [s for s in receiver.spans if s.trace_id == gen_ai[0].trace_id]
+            roles = {s.resource.get(sc.RESOURCE_PROCESS_ROLE) for s in spans}
+            if {"ingress", "verifier", "draft", "expert"} <= roles or time.monotonic() > deadline:
+                return spans
+        assert time.monotonic() < deadline, f"no trace for {response_id}"
+        time.sleep(0.2)
+
+
+def test_one_request_is_one_trace_across_four_processes(served, otlp_receiver):
+    url = served[0]
+    body = _complete(url, "def walk(tree):\n", max_tokens=10)
+    time.sleep(0.5)
+    spans = _trace_of(otlp_receiver, body["id"])
+    by_id = {s.span_id: s for s in spans}
+    processes = {(s.resource.get(sc.RESOURCE_PROCESS_ROLE), s.resource.get("process.pid")) for s in spans}
+    assert {role for role, _ in processes} >= {"ingress", "verifier", "draft", "expert"}
+    assert len(processes) >= 4
+    gen_ai = next(s for s in spans if s.attributes.get(sc.GEN_AI_RESPONSE_ID) == body["id"])
+    assert gen_ai.attributes[sc.GEN_AI_OPERATION_NAME] == "text_completion"
+    assert gen_ai.attributes[sc.GEN_AI_REQUEST_MODEL] == MODEL_NAME
+    assert gen_ai.attributes[sc.GEN_AI_REQUEST_MAX_TOKENS] == 10
+    assert gen_ai.attributes[sc.GEN_AI_REQUEST_TEMPERATURE] == 0.0
+    assert gen_ai.attributes[sc.GEN_AI_USAGE_INPUT_TOKENS] == body["usage"]["prompt_tokens"]
+    assert gen_ai.attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == body["usage"]["completion_tokens"]
+    assert list(gen_ai.attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS]) == [body["choices"][0]["finish_reason"]]
+    assert [name for name, _ in gen_ai.events] == [sc.EVENT_FIRST_TOKEN, sc.EVENT_FINISH]
+    experts = [s for s in spans if s.name == sc.SPAN_EXPERT_COMPUTE]
+    assert experts
+    for span in experts:  # an intact parent chain from every expert span up to the request
+        chain, cur = [], span
+        while cur is not None:
+            chain.append(cur.name)
+            cur = by_id.get(cur.parent_span_id)
+        assert chain[:5] == [sc.SPAN_EXPERT_COMPUTE, sc.SPAN_EXPERT_CALL, sc.SPAN_MOE_DISPATCH,
+                             sc.SPAN_TARGET_FORWARD, sc.SPAN_ENGINE_STEP]
+        assert chain[5] == gen_ai.name and chain[6] == "POST /v1/completions"
+    steps = [s for s in spans if s.name == sc.SPAN_ENGINE_STEP]
+    assert sum(s.attributes[sc.STEP_NUM_EMITTED_TOKENS] for s in steps) == body["usage"]["completion_tokens"]
+    draft = [s for s in spans if s.name == sc.SPAN_DRAFT_FORWARD]
+    assert draft and all(by_id[s.parent_span_id].name == sc.SPAN_DRAFT_PROPOSE for s in draft)
+
+
+def _samples(url: str) -> dict:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
+
+
+def _sum(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, lab), v in samples.items()
+               if n == name and all(dict(lab).get(k) == str(val) for k, val in labels.items()))
+
+
+def test_slow_expert_is_flagged_and_counted(served, otlp_receiver):
+    url, _, handle = served
+    slow_group = 1  # experts 2 and 3
+    before = _samples(url)
+    handle.set_expert_delay_ms.remote(slow_group, 150.0).result()
+    try:
+        body = _complete(url, "import collections\n", max_tokens=6)
+    finally:
+        handle.set_expert_delay_ms.remote(slow_group, 0.0).result()
+    spans = _trace_of(otlp_receiver, body["id"])
+    calls = [s for s in spans if s.name == sc.SPAN_EXPERT_CALL]
+    slow = [s for s in calls if s.attributes[sc.EXPERT_ID] == "2,3"]
+    fast = [s for s in calls if s.attributes[sc.EXPERT_ID] != "2,3"]
+    assert slow and all(s.attributes[sc.EXPERT_STRAGGLER] for s in slow)
+    assert fast and not any(s.attributes[sc.EXPERT_STRAGGLER] for s in fast)
+    after = _samples(url)
+    name = "specmoe:expert_stragglers_total"
+    for expert in (2, 3):
+        assert _sum(after, name, expert=expert) > _sum(before, name, expert=expert)
+    for expert in (0, 1, 4, 5, 6, 7):
+        assert _sum(after, name, expert=expert) == _sum(before, name, expert=expert)
+
+
+def test_metrics_match_requests_and_usage_exactly(served):
+    url, _, handle = served
+    before = _samples(url)
+    n = 5
+    usages, reasons = [], []
+    for i in range(n):
+        body = _complete(url, f"def f{i}(x):\n", max_tokens=8 + i, stream=False)
+        usages.append(body["usage"])
+        reasons.append(body["choices"][0]["finish_reason"])
+    after = _samples(url)
+
+    def delta(name: str, **labels) -> float:
+        return _sum(after, name, **labels) - _sum(before, name, **labels)
+
+    assert delta("specmoe:request_success_total") == n
+    assert delta("specmoe:request_success_total", finished_reason="length") == reasons.count("length")
+    assert delta("specmoe:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("specmoe:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"specmoe:{hist}_count") == n
+    assert delta("specmoe:time_per_output_token_seconds_count") == sum(u["completion_tokens"] > 1 for u in usages)
+    drafted = delta("specmoe:spec_decode_num_draft_tokens_total")
+    accepted = delta("specmoe:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert delta("specmoe:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert _sum(after, "specmoe:num_requests_running") == 0 and _sum(after, "specmoe:num_requests_waiting") == 0
+    assert _sum(after, "specmoe:kv_cache_usage_perc") == 0
