@@ -105,18 +105,36 @@ def stop() -> None:
         ray.shutdown()
 
 
+def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfig:
+    """Command-line overrides (for benchmark sweeps), re-validated like the YAML."""
+    import msgspec
+
+    raw = msgspec.to_builtins(config)
+    if args.host or args.port:
+        raw["http"] = {"host": args.host or config.http.host, "port": args.port or config.http.port}
+    if args.speculative_method == "none":
+        raw["engine"].update(speculative_method=None, draft_model=None, num_speculative_tokens=0)
+    elif args.speculative_method:
+        raw["engine"]["speculative_method"] = args.speculative_method
+    if args.num_speculative_tokens is not None:
+        raw["engine"]["num_speculative_tokens"] = args.num_speculative_tokens
+    try:
+        return msgspec.convert(raw, ServeConfig)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ConfigError(f"command-line override: {e}") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/embedded.yaml", help="YAML ServeConfig")
     parser.add_argument("--host", help="override http.host")
     parser.add_argument("--port", type=int, help="override http.port")
+    parser.add_argument("--speculative-method", choices=["draft", "ngram", "none"],
+                        help="override engine.speculative_method (none: plain decoding)")
+    parser.add_argument("--num-speculative-tokens", type=int, help="override engine.num_speculative_tokens")
     args = parser.parse_args(argv)
     try:
-        config = load_yaml(args.config, ServeConfig)
-        if args.host or args.port:
-            from actors.config import HttpConfig
-
-            config.http = HttpConfig(host=args.host or config.http.host, port=args.port or config.http.port)
+        config = apply_overrides(load_yaml(args.config, ServeConfig), args)
         url = start(config)
     except (ConfigError, StartupError) as e:
         print(f"specmoe: cannot start: {e}", file=sys.stderr)

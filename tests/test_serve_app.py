@@ -1,0 +1,46 @@
+"""serve_app's start-up checks: clear reasons and a non-zero exit, before Ray starts."""
+
+import socket
+
+import pytest
+
+import serve_app
+
+
+def test_missing_checkpoint_is_a_clear_startup_error(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name: m\nengine:\n  model: does/not/exist\n")
+    assert serve_app.main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "engine.model" in err and "does/not/exist" in err
+
+
+def test_port_in_use_is_a_clear_startup_error(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert serve_app.main(["--config", "configs/embedded.yaml", "--port", str(port)]) == 2
+    assert f"127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_invalid_config_names_the_field(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name: m\nengine:\n  model: x\nexperts:\n  experts_per_actor: 0\n")
+    assert serve_app.main(["--config", str(cfg)]) == 2
+    assert "experts_per_actor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, method, k", [(["--speculative-method", "none"], None, 0),
+                                              (["--speculative-method", "ngram", "--num-speculative-tokens", "6"], "ngram", 6)])
+def test_command_line_overrides(argv, method, k):
+    import argparse
+
+    from actors.config import ServeConfig
+    from engine.yaml_config import load_yaml
+
+    ns = argparse.Namespace(host=None, port=None, speculative_method=None, num_speculative_tokens=None)
+    for flag, value in zip(argv[::2], argv[1::2]):
+        setattr(ns, flag[2:].replace("-", "_"), int(value) if value.isdigit() else value)
+    config = serve_app.apply_overrides(load_yaml("configs/embedded.yaml", ServeConfig), ns)
+    assert (config.engine.speculative_method, config.engine.num_speculative_tokens) == (method, k)
