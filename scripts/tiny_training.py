@@ -84,9 +84,14 @@ def run_phases(
     warmup: int,
     seed: int,
     desc: str,
+    extra: torch.Tensor | None = None,
+    extra_frac: float = 0.0,
 ) -> dict[str, float]:
     """Generic loop: sample windows, ``loss, logs = step_fn(windows)``, clip, AdamW, schedule.
 
+    Args:
+        extra: optional [S, L + 1] fixed sequences (e.g. target greedy continuations); a step uses
+            a batch of whole rows of it instead of stream windows with probability ``extra_frac``.
     Returns the mean of each logged value over the last 10% of steps plus ``seconds``.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -102,7 +107,11 @@ def run_phases(
     for phase in phases:
         batch = max(1, tokens_per_step // phase.seq_len)
         for _ in range(phase.steps):
-            windows = sample_windows(stream, batch, phase.seq_len, gen)
+            if extra is not None and torch.rand((), generator=gen).item() < extra_frac:
+                rows = torch.randint(0, extra.shape[0], (max(1, tokens_per_step // extra.shape[1]),), generator=gen)
+                windows = extra[rows]
+            else:
+                windows = sample_windows(stream, batch, phase.seq_len, gen)
             loss, logs = step_fn(windows)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -112,7 +121,7 @@ def run_phases(
             if step >= tail_from:
                 for k, v in logs.items():
                     tail.setdefault(k, []).append(v)
-            bar.set_postfix(seq=phase.seq_len, **{k: f"{v:.3f}" for k, v in logs.items()}, refresh=False)
+            bar.set_postfix(seq=windows.shape[1] - 1, **{k: f"{v:.3f}" for k, v in logs.items()}, refresh=False)
             bar.update(1)
             step += 1
     bar.close()
@@ -170,3 +179,35 @@ def distill_step_fn(draft: PreTrainedModel, teacher: PreTrainedModel, alpha: flo
         return loss, {"kl": kl.item(), "ce": ce.item(), "agree": agree.item()}
 
     return step
+
+
+@torch.no_grad()
+def greedy_continuations(
+    model: PreTrainedModel, stream: torch.Tensor, num: int, prompt_len: int, new_tokens: int, batch: int,
+    seed: int,
+) -> torch.Tensor:
+    """Target greedy continuations of random training-text prompts: on-policy data for the draft.
+
+    Speculative acceptance is measured on prompt + TARGET-GREEDY text, whose statistics (e.g.
+    repetition loops) differ from human-written code; distilling on it too teaches the draft
+    exactly the distribution it is evaluated on. Plain batched greedy decoding with a KV cache;
+    eos is not special (a continuation may run into a new document, like the stream does).
+
+    Returns:
+        [num, prompt_len + new_tokens] int64 (prompt followed by its continuation).
+    """
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    model.eval()
+    out = []
+    for _ in tqdm(range(0, num, batch), desc="greedy continuations", mininterval=5.0):
+        seqs = sample_windows(stream, batch, prompt_len - 1, gen)  # [b, prompt_len]
+        cache = DynamicCache()
+        logits = model(input_ids=seqs, cache=cache, use_cache=True, output_router_logits=False).logits
+        for _ in range(new_tokens):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)  # [b, 1]
+            seqs = torch.cat([seqs, nxt], dim=1)
+            logits = model(input_ids=nxt, cache=cache, use_cache=True, output_router_logits=False).logits
+        out.append(seqs)
+    return torch.cat(out)[:num]

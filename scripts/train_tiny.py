@@ -45,7 +45,14 @@ from scripts.tiny_models import (  # noqa: E402
     save_checkpoint,
 )
 from scripts.tiny_tokenizer import assert_roundtrip, encode_documents, train_bpe  # noqa: E402
-from scripts.tiny_training import Phase, distill_step_fn, parse_phases, run_phases, target_step_fn  # noqa: E402
+from scripts.tiny_training import (  # noqa: E402
+    Phase,
+    distill_step_fn,
+    greedy_continuations,
+    parse_phases,
+    run_phases,
+    target_step_fn,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,8 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target-hidden", type=int, default=128)
     ap.add_argument("--target-intermediate", type=int, default=256, help="per expert")
     ap.add_argument("--target-layers", type=int, default=4)
-    ap.add_argument("--aux-loss-coef", type=float, default=0.02)
-    ap.add_argument("--target-steps", type=int, default=1800)
+    ap.add_argument("--aux-loss-coef", type=float, default=1.0)
+    ap.add_argument("--target-steps", type=int, default=1400)
     ap.add_argument("--target-tokens-per-step", type=int, default=4096)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--phases", default="512:0.7,1024:0.3", help="seq_len:fraction of steps, in order")
@@ -70,12 +77,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft-hidden", type=int, default=64)
     ap.add_argument("--draft-intermediate", type=int, default=192)
     ap.add_argument("--draft-layers", type=int, default=2)
-    ap.add_argument("--draft-steps", type=int, default=900)
+    ap.add_argument("--draft-steps", type=int, default=700)
     ap.add_argument("--draft-tokens-per-step", type=int, default=4096)
     ap.add_argument("--draft-lr", type=float, default=3e-3)
     ap.add_argument("--draft-phases", default="512:0.7,1024:0.3")
     ap.add_argument("--distill-alpha", type=float, default=0.1, help="weight of data CE vs teacher KL")
     ap.add_argument("--distill-temperature", type=float, default=1.0)
+    ap.add_argument("--onpolicy-seqs", type=int, default=384, help="target greedy continuations to distill on")
+    ap.add_argument("--onpolicy-prompt", type=int, default=384, help="prompt tokens per continuation")
+    ap.add_argument("--onpolicy-new", type=int, default=256, help="greedy tokens per continuation")
+    ap.add_argument("--onpolicy-frac", type=float, default=0.3, help="fraction of draft steps on them")
     # evaluation
     ap.add_argument("--eval-seq-len", type=int, default=512)
     ap.add_argument("--eval-windows", type=int, default=None, help="default: all held-out windows")
@@ -175,9 +186,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     draft = build_draft(dsize, args.vocab_size)
     dphases = parse_phases(args.draft_phases, args.draft_steps)
     dwarmup = max(1, min(50, args.draft_steps // 10))
+    t0 = time.time()
+    onpolicy = None
+    if args.onpolicy_seqs > 0:
+        onpolicy = greedy_continuations(teacher, train_stream, args.onpolicy_seqs, args.onpolicy_prompt,
+                                        args.onpolicy_new, 32, args.seed + 2)
+    metrics["onpolicy_seconds"] = time.time() - t0
     step_fn = distill_step_fn(draft, teacher, args.distill_alpha, args.distill_temperature)
     metrics["draft_train"] = run_phases(draft, step_fn, train_stream, dphases, args.draft_tokens_per_step,
-                                        args.draft_lr, dwarmup, args.seed + 1, "draft")
+                                        args.draft_lr, dwarmup, args.seed + 1, "draft", onpolicy,
+                                        args.onpolicy_frac)
     save_checkpoint(draft, tok, draft_dir)
     print("draft:", metrics["draft_train"], flush=True)
 
