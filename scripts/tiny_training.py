@@ -131,14 +131,46 @@ def run_phases(
     return out
 
 
-def target_step_fn(model: PreTrainedModel) -> StepFn:
-    """Next-token CE + ``router_aux_loss_coef`` x load-balancing loss (HF Mixtral computes both)."""
+def soft_load_loss(router_logits: tuple[torch.Tensor, ...], top_k: int, tau: float) -> torch.Tensor:
+    """Differentiable top-k LOAD balance: E * sum_e (share_e - 1/E)^2, averaged over layers.
+
+    The Switch/Mixtral aux loss only sees mean router probabilities; with near-uniform
+    probabilities it sits at its minimum (2.0) even when an expert never makes anybody's top-k
+    ("always third"), and its gradient moves every token's logit the same way. Here the share of
+    expert e is a soft count of top-k membership, sigmoid((z_te - theta_t) / tau) with theta_t the
+    midpoint between the k-th and (k+1)-th largest logits of token t (no gradient): the gradient
+    acts on tokens NEAR the top-k boundary, so an under-used expert wins exactly the tokens it
+    almost won, and an over-used one sheds its marginal tokens.
+
+    Args:
+        router_logits: per layer [tokens, E] router logits.
+    Returns:
+        scalar; 0 when every expert holds 1/E of the (token, slot) assignments.
+    """
+    total = router_logits[0].new_zeros((), dtype=torch.float32)
+    for z in router_logits:
+        z = z.float()
+        num_experts = z.shape[-1]
+        top = z.topk(top_k + 1, dim=-1).values.detach()  # [T, k+1]
+        theta = 0.5 * (top[:, top_k - 1] + top[:, top_k])  # [T]
+        member = torch.sigmoid((z - theta[:, None]) / tau)  # [T, E] soft top-k membership
+        share = member.mean(0) / member.mean(0).sum()  # [E]
+        total = total + num_experts * ((share - 1.0 / num_experts) ** 2).sum()
+    return total / len(router_logits)
+
+
+def target_step_fn(model: PreTrainedModel, balance_coef: float = 0.0, balance_tau: float = 0.3) -> StepFn:
+    """Next-token CE + ``router_aux_loss_coef`` x Mixtral load-balancing loss (computed by HF)
+    + ``balance_coef`` x :func:`soft_load_loss` (see there for why the HF loss alone is not enough)."""
 
     def step(windows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inputs, labels = windows[:, :-1], windows[:, 1:]
         out = model(input_ids=inputs, output_router_logits=True)
         ce = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
         loss = ce + model.config.router_aux_loss_coef * out.aux_loss
+        if balance_coef > 0:
+            loss = loss + balance_coef * soft_load_loss(out.router_logits, model.config.num_experts_per_tok,
+                                                        balance_tau)
         # The aux loss value sits near its minimum 2.0 whenever router probabilities are ~uniform,
         # even if the top-k choices all hit the same experts; so also log the smallest actual
         # share of (token, slot) assignments over experts and layers (uniform = 1/num_experts).

@@ -68,8 +68,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target-hidden", type=int, default=128)
     ap.add_argument("--target-intermediate", type=int, default=256, help="per expert")
     ap.add_argument("--target-layers", type=int, default=4)
-    ap.add_argument("--aux-loss-coef", type=float, default=1.0)
-    ap.add_argument("--target-steps", type=int, default=1400)
+    ap.add_argument("--aux-loss-coef", type=float, default=0.02, help="Mixtral (Switch) aux loss weight")
+    ap.add_argument("--balance-coef", type=float, default=1.0, help="soft top-k load loss weight")
+    ap.add_argument("--balance-tau", type=float, default=0.3, help="soft top-k membership temperature")
+    ap.add_argument("--target-steps", type=int, default=1600)
     ap.add_argument("--target-tokens-per-step", type=int, default=4096)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--phases", default="512:0.7,1024:0.3", help="seq_len:fraction of steps, in order")
@@ -77,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft-hidden", type=int, default=64)
     ap.add_argument("--draft-intermediate", type=int, default=192)
     ap.add_argument("--draft-layers", type=int, default=2)
-    ap.add_argument("--draft-steps", type=int, default=700)
+    ap.add_argument("--draft-steps", type=int, default=1000)
     ap.add_argument("--draft-tokens-per-step", type=int, default=4096)
     ap.add_argument("--draft-lr", type=float, default=3e-3)
     ap.add_argument("--draft-phases", default="512:0.7,1024:0.3")
@@ -172,8 +174,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     target = build_target(tsize, args.vocab_size)
     phases: list[Phase] = parse_phases(args.phases, args.target_steps)
     warmup = max(1, min(100, args.target_steps // 10))
-    metrics["target_train"] = run_phases(target, target_step_fn(target), train_stream, phases,
-                                         args.target_tokens_per_step, args.target_lr, warmup, args.seed, "target")
+    step_fn = target_step_fn(target, args.balance_coef, args.balance_tau)
+    metrics["target_train"] = run_phases(target, step_fn, train_stream, phases, args.target_tokens_per_step,
+                                         args.target_lr, warmup, args.seed, "target")
     save_checkpoint(target, tok, target_dir)
     print("target:", metrics["target_train"], flush=True)
 
