@@ -19,9 +19,8 @@ def test_greedy_matches_transformers_on_heldout_prompts(path):
     with torch.no_grad():
         for p in prompts:
             out = ref_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                     pad_token_id=0)
+                                     do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
             expected.append(out[0, len(p):].tolist())
     llm = LLM(path, dtype="float32", max_num_seqs=3)
-    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [o.outputs[0].token_ids for o in got] == expected
