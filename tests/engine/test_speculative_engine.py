@@ -52,8 +52,8 @@ def test_greedy_speculative_equals_plain_greedy(prompts, plain_greedy, drafter, 
     assert run_staggered(engine, prompts) == plain_greedy
     stats = engine.get_metrics()
     assert stats["num_draft_tokens"] > 0
-    if drafter == "draft":  # a trained draft: acceptance is real, not a fluke
-        assert stats["acceptance_rate"] > 0.3
+    if drafter == "draft":  # a trained draft: more than half a token accepted per verification
+        assert stats["mean_acceptance_length"] > 1.5
 
 
 def test_same_seed_same_output_whatever_the_batch(prompts):
