@@ -1,7 +1,8 @@
 """Build ``benchmarks/data/stdlib_heldout.jsonl``: code-completion prompts from HELD-OUT stdlib modules.
 
 A prompt is a held-out source file cut right after a function's docstring (signature + docstring,
-optionally preceded by the lines above it), so the natural continuation is the function body.
+optionally preceded by the lines above it, ending at the closing quotes), so the natural
+continuation is the function body.
 Each prompt starts at a line boundary chosen to hit a target length drawn in
 [``--min-tokens``, ``--max-prompt-tokens``] tokens (half of the draws log-uniform, half uniform):
 lengths range from ~20 to ~700 tokens and prompt + ``max_tokens`` (32..128) always fits the
@@ -76,7 +77,11 @@ def cut_prompt(cut: Cut, lines: list[str], line_tokens: list[int], want: int, to
     while start < cut.first_line and not lines[start - 1].strip():
         start += 1  # do not start a prompt on blank lines
     while True:  # per-line counts are approximate: fix up with the exact encoding
-        text = "".join(lines[start - 1 : cut.end_line])
+        # Stop right after the docstring's closing quotes, WITHOUT the newline: BPE merges a
+        # newline with the next line's indentation ("\n        "), so a prompt ending in a bare
+        # "\n" token would ask the model to continue from a token boundary it never saw in
+        # training mid-function (it then starts a new top-level statement instead of the body).
+        text = "".join(lines[start - 1 : cut.end_line]).rstrip("\r\n")
         n = len(tok.encode(text).ids)
         if n <= limit:
             return text, n
