@@ -23,7 +23,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         max_num_seqs: running sequences at most (also the KV cache slot count).
         max_num_batched_tokens: target tokens per step (prefill tokens + decode/verify tokens); a
             prompt longer than the budget is still admitted when it is the only work.
-        max_waiting: waiting sequences at most; :meth:`Scheduler.can_accept` is False beyond it.
+        max_waiting: sequences that may wait beyond the free running slots;
+            :meth:`Scheduler.can_accept` is False beyond it (HTTP 503).
         spec_disable_batch_size: speculation is off in steps whose running batch has at least this
             many sequences (draft positions activate extra experts on MoE, so at large batch
             speculation costs more than it saves); 0 never disables it.
@@ -62,7 +63,10 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def can_accept(self, num_seqs: int = 1) -> bool:
-        return len(self.waiting) + num_seqs <= self.config.max_waiting
+        """Whether ``num_seqs`` more sequences fit: the free running slots plus ``max_waiting``
+        (a burst that the next step will admit is not counted as waiting)."""
+        free_running = self.config.max_num_seqs - len(self.running)
+        return len(self.waiting) + num_seqs <= self.config.max_waiting + free_running
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
