@@ -21,7 +21,7 @@ import torch
 
 from actors.config import ServeConfig
 from actors.stream_items import error_item, step_item
-from engine.engine import LLMEngine, QueueFull
+from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -154,10 +154,8 @@ class VerifierServer:
         rid = request_id or f"req-{next(self._ids)}"
         try:
             sp = msgspec.convert(params, SamplingParams)
-            self.engine._validate(rid, prompt_token_ids, sp)
             pending_seqs = sum(a[2].n for op, *a in self._pending if op == "add")
-            if not self.engine.scheduler.can_accept(sp.n + pending_seqs):
-                raise QueueFull(f"waiting queue is full ({self.engine.scheduler.config.max_waiting} sequences)")
+            self.engine.check_request(rid, prompt_token_ids, sp, pending_seqs)
         except (ValueError, msgspec.ValidationError) as e:
             yield error_item(e)
             return

@@ -88,9 +88,7 @@ class LLMEngine:
                 the context window, or a duplicate request id.
             QueueFull: the waiting queue is full.
         """
-        self._validate(request_id, prompt_token_ids, params)
-        if not self.scheduler.can_accept(params.n):
-            raise QueueFull(f"waiting queue is full ({self.scheduler.config.max_waiting} sequences)")
+        self.check_request(request_id, prompt_token_ids, params)
         request = RequestOutput(request_id, prompt, list(prompt_token_ids), [],
                                 metrics=RequestMetrics(arrival_time_s or time.monotonic()))
         k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
@@ -107,7 +105,17 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request
 
-    def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      num_pending_seqs: int = 0) -> None:
+        """Raise what :meth:`add_request` would raise, without adding anything.
+
+        Args:
+            num_pending_seqs: sequences about to be added before this one (queued by a caller that
+                adds requests between steps).
+
+        Raises:
+            ValueError: bad prompt, parameters or duplicate id; QueueFull: no room.
+        """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if not prompt_token_ids:
@@ -121,6 +129,9 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context window of {self.max_model_len} tokens"
             )
+        if not self.scheduler.can_accept(params.n + num_pending_seqs):
+            raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
+                            f"{self.scheduler.config.max_waiting} waiting sequences); retry later")
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request; its KV slots are freed now. Returns False if it was not running."""
