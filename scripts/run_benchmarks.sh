@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every benchmark of docs/BENCHMARKS.md in one go, one after another (never concurrently: they
+# share the machine). Results land in benchmarks/results/ (ignored by git); plots in docs/img/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+OUT=benchmarks/results
+mkdir -p "$OUT" docs/img
+$PY benchmarks/engine.py --num-prompts 24 --max-tokens 64 --save-result $OUT/engine.json 2>&1 | tee $OUT/engine.log
+$PY benchmarks/serve_vs_engine.py --num-prompts 16 --max-tokens 48 --save-result $OUT/serve_vs_engine.json 2>&1 | tee $OUT/serve_vs_engine.log
+$PY benchmarks/tracing_overhead.py --num-requests 32 --concurrency 4 --max-tokens 48 --save-result $OUT/tracing.json 2>&1 | tee $OUT/tracing.log
+$PY benchmarks/serve.py --sweep --config-file configs/sweep.yaml \
+    --configs speculation_off,draft_k1,draft_k2,draft_k4,draft_k6,draft_k8,ngram_k4 --baseline speculation_off \
+    --concurrency-list 1,2,4,8,16 --num-requests 16 --max-tokens 48 --ignore-eos --no-progress \
+    --save-result $OUT/sweep.json --plot docs/img 2>&1 | tee $OUT/sweep.log
