@@ -9,7 +9,6 @@ from opentelemetry.trace import SpanKind
 from observability import semconv
 from observability.exposition import CONTENT_TYPE, render
 from observability.metrics import EngineMetrics, RequestMetrics, RequestTracker
-from observability.moe import DispatchRecorder, ExpertCall
 from observability.spans import (
     add_event,
     emit_span,
@@ -33,7 +32,7 @@ from observability.tracing import (
 )
 
 __all__ = [
-    "CONTENT_TYPE", "DispatchRecorder", "SpanKind", "EngineMetrics", "ExpertCall", "LatencyTracker", "RequestMetrics",
+    "CONTENT_TYPE", "SpanKind", "EngineMetrics", "LatencyTracker", "RequestMetrics",
     "RequestTracker", "StragglerDetector", "TracingConfig", "add_event", "emit_span", "export_stats",
     "extract_context", "flush_tracing", "get_tracer", "inject_context", "is_enabled", "link_from_carrier",
     "otel_env_vars", "record_error", "render", "semconv", "set_attributes", "setup_tracing", "shutdown_tracing",

@@ -8,19 +8,17 @@ Span trees (process in brackets)::
 
     POST /v1/completions                 [ingress]   kind SERVER, parent = incoming traceparent
       text_completion <model>            [ingress]   gen_ai span; events first_token / finish
+        specmoe.engine.step              [verifier]  child of the oldest request in the batch,
+                                                     linked to every request it served
+          specmoe.draft.propose          [verifier]  kind CLIENT, caller side of the draft call
+            specmoe.draft.forward        [draft]     kind SERVER, from the injected carrier
+          specmoe.target.forward         [verifier]
+            specmoe.moe.dispatch         [verifier]  one per MoE layer
+              specmoe.expert.call        [verifier]  one per actor call (CLIENT); straggler flag
+                specmoe.expert.compute   [expert]    actor side (SERVER), from the call's carrier
+          specmoe.verify                 [verifier]  rejection sampling
 
-    specmoe.engine.step                  [verifier]  root; one link per request in the batch
-      specmoe.draft.propose              [verifier]  kind CLIENT, caller side of the draft call
-        specmoe.draft.forward            [draft]     kind SERVER, from the injected carrier
-      specmoe.target.forward             [verifier]
-        specmoe.moe.dispatch             [verifier]  one per MoE layer
-          specmoe.expert.call            [verifier]  one per expert call (router side, CLIENT)
-          specmoe.expert.compute         [expert]    optional, actor side (SERVER); a sibling of
-                                                     the call span, which is emitted after the fact
-      specmoe.verify                     [verifier]  rejection sampling
-
-A step serves many requests, so it is the root of its own trace and links to each request's
-gen_ai span (``links=[link_from_carrier(c) for c in carriers]``); a trace UI follows the links.
+See ``actors/telemetry.py`` for where each span is made.
 """
 
 from __future__ import annotations
