@@ -126,8 +126,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None
 
     def validate(self) -> None:
-        if self.max_tokens is None:
-            self.max_tokens = self.max_completion_tokens
+        if self.max_completion_tokens is not None:
+            if self.max_completion_tokens < 1:
+                raise ProtocolError("'max_completion_tokens' must be >= 1", "max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens  # OpenAI's newer name wins over max_tokens
         self.check_ranges()
         if not self.messages:
             raise ProtocolError("'messages' must not be empty", "messages")
