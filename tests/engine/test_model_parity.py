@@ -76,3 +76,21 @@ def test_rollback_then_redecode_equals_fresh_decode(tiny_checkpoints):
     fresh_slot = fresh_kv.allocate()
     fresh = model.forward(ForwardBatch.build([fresh_slot], [prompt + real], [0], logits="all"), fresh_kv)[-3:]
     assert torch.allclose(rolled, fresh, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_greedy_32_tokens_match_transformers_generate(tiny_checkpoints, arch):
+    from engine import LLM, SamplingParams
+
+    path, ref = tiny_checkpoints[arch]
+    prompts = _prompts(3)
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            out = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               do_sample=False, max_new_tokens=32, pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    llm = LLM(str(path), max_num_seqs=4)
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert all(len(t) == 32 for t in expected)
