@@ -7,6 +7,7 @@ a Ray Serve deployment with ``@serve.ingress``.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -15,6 +16,7 @@ import uuid
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.chat_template import ChatTemplate
 from actors.config import ServeConfig
@@ -25,14 +27,22 @@ from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
 from observability import semconv as sc
 
 log = logging.getLogger(__name__)
-app = FastAPI(title="specmoe", version="0.1.0")
+# No interactive docs: the API is OpenAI's, and every route answers errors in OpenAI's shape.
+app = FastAPI(title="specmoe", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing or tokenizing
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404), wrong methods (405) etc. in OpenAI's error shape."""
+    return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict | None = None) -> JSONResponse:
-    err_type = {404: "not_found_error", 503: "server_overloaded", 500: "internal_error"}.get(
-        status, "invalid_request_error")
+    err_type = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                503: "server_overloaded", 500: "internal_error"}.get(status, "invalid_request_error")
     return JSONResponse(error_body(message, err_type, param, code), status_code=status, headers=headers)
 
 
@@ -48,6 +58,7 @@ class IngressServer:
         model_path = config.engine.model
         model_config = load_model_config(model_path)
         self.max_model_len = config.engine.max_model_len or model_config.max_position_embeddings
+        self.vocab_size = model_config.vocab_size
         from pathlib import Path
 
         self.tokenizer, template = load_tokenizer(Path(model_path))
@@ -93,6 +104,10 @@ class IngressServer:
         if kind == "completion":
             prompt_text = req.prompt if isinstance(req.prompt, str) else None
             ids = self.tokenizer.encode(req.prompt).ids if prompt_text is not None else list(req.prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ProtocolError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                                    "prompt")
             logprobs = req.logprobs
         else:
             prompt_text = self.chat_template.render(req.messages)
@@ -122,7 +137,11 @@ class IngressServer:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
-            req, ids, prompt_text, params, want_lp = self._prepare(await request.body(), kind)
+            body = await request.body()
+            if len(body) > MAX_BODY_BYTES:
+                raise ProtocolError(f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES} bytes", status=413)
+            # Tokenizing a long prompt is CPU work: off the event loop, so other requests keep flowing.
+            req, ids, prompt_text, params, want_lp = await asyncio.to_thread(self._prepare, body, kind)
         except ProtocolError as e:
             tel.finish(e.status, rid)
             return _error(e.status, str(e), e.param, e.code)
@@ -149,6 +168,8 @@ class IngressServer:
         try:
             async for item in stream:
                 self._absorb(builder, item, tel)
+            if "error" in builder.finish:
+                raise RuntimeError("the engine failed this request")
         except Exception as e:
             log.exception("request %s failed", rid)
             status = 500

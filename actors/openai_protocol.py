@@ -11,7 +11,17 @@ from typing import Literal
 
 import msgspec
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SPECULATIVE_TOKENS, SamplingParams
+from engine.sampling_params import (
+    MAX_INT32,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_SPECULATIVE_TOKENS,
+    SamplingParams,
+)
+
+# OpenAI parameters specmoe does not implement: rejected (400 naming them) rather than silently ignored.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix")
 
 
 class ProtocolError(ValueError):
@@ -40,14 +50,39 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    best_of: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    logit_bias: dict | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        for name in UNSUPPORTED:
+            if getattr(self, name) is not None:
+                raise ProtocolError(f"'{name}' is not supported by this server", name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ProtocolError(f"'{name}' is not supported by this server (only 0)", name)
+        if self.best_of not in (None, 1, self.n):
+            raise ProtocolError("'best_of' is not supported (only equal to n)", "best_of")
 
     def check_ranges(self) -> None:
+        self.check_unsupported()
         checks = [
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("temperature", self.temperature is None or 0 <= self.temperature <= 2, "must be in [0, 2]"),
             ("top_p", self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
-            ("top_k", self.top_k is None or self.top_k == -1 or self.top_k >= 0, "must be -1, 0 or >= 1"),
+            ("top_k", self.top_k is None or -1 <= self.top_k <= MAX_INT32, f"must be -1, 0 or in [1, {MAX_INT32}]"),
+            ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens <= MAX_INT32, f"must be <= {MAX_INT32}"),
+            ("stop_token_ids", all(0 <= t <= MAX_INT32 for t in self.stop_token_ids or []),
+             f"must be in [0, {MAX_INT32}]"),
             ("num_speculative_tokens", self.num_speculative_tokens is None
              or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"must be in [0, {MAX_SPECULATIVE_TOKENS}]"),
@@ -88,6 +123,9 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise ProtocolError(f"'logprobs' must be in [0, {MAX_LOGPROBS}]", "logprobs")
         if self.echo:
             raise ProtocolError("'echo' is not supported", "echo")
+        if isinstance(self.prompt, list) and self.prompt and _looks_like_token_ids(self.prompt) \
+                and not _is_token_ids(self.prompt):
+            raise ProtocolError("'prompt' token ids must be integers", "prompt")
         if isinstance(self.prompt, list) and self.prompt and not _is_token_ids(self.prompt):
             if len(self.prompt) != 1:
                 raise ProtocolError("batched prompts are not supported: send one request per prompt", "prompt")
@@ -100,6 +138,10 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 def _is_token_ids(value: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _looks_like_token_ids(value: list) -> bool:
+    return all(isinstance(t, (int, float)) for t in value)
 
 
 class ChatMessage(msgspec.Struct):

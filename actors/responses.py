@@ -56,6 +56,7 @@ class ResponseBuilder:
         self.logprobs: list[list[dict]] = [[] for _ in range(n)]
         self.want_logprobs = want_logprobs
         self.usage: dict | None = None
+        self._role_sent = [False] * n  # chat streams announce the role in each choice's first chunk only
 
     def _lp(self, items: list[dict]) -> dict | None:
         if not self.want_logprobs:
@@ -85,8 +86,9 @@ class ResponseBuilder:
             choice = {"index": i, "text": c["new_text"], "logprobs": lp, "finish_reason": c["finish_reason"]}
             obj = "text_completion"
         else:
-            choice = {"index": i, "delta": {"role": "assistant", "content": c["new_text"]}, "logprobs": lp,
-                      "finish_reason": c["finish_reason"]}
+            delta = {"content": c["new_text"]} if self._role_sent[i] else {"role": "assistant", "content": c["new_text"]}
+            self._role_sent[i] = True
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": c["finish_reason"]}
             obj = "chat.completion.chunk"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 

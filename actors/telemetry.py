@@ -227,8 +227,8 @@ class RequestTelemetry:
         if self.tracker is not None and status < 400:
             self.tracker.on_finish(reasons[0] if self.usage else reason_if_unfinished, prompt, output,
                                    queue_time_s=self.queue_time_s)
-        elif self.tracker is not None:
-            self.tracker.on_finish("error" if status >= 500 else "rejected", 0, 0)
+        elif self.tracker is not None and status >= 500:
+            self.tracker.on_finish("error", 0, 0)  # refused requests (4xx) are not finished requests
         self.trace.end(status, sc.gen_ai_response_attributes(
             response_id=response_id, finish_reasons=reasons, input_tokens=prompt if self.usage else None,
             output_tokens=output if self.usage else None), reasons)

@@ -26,7 +26,7 @@ from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats, TokenLogprob
 from engine.sampling import compute_probs, draw_uniforms, make_generator, top_logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
@@ -96,7 +96,7 @@ class LLMEngine:
         for i in range(params.n):
             completion = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
             request.outputs.append(completion)
-            seed = params.seed + i if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+            seed = (params.seed + i) % (MAX_SEED + 1) if params.seed is not None else int.from_bytes(os.urandom(7), "little")
             state = SequenceOutputState(self.target.tokenizer, params, self.target.eos_token_id, prompt_token_ids)
             gen = None if params.greedy else make_generator(seed)
             seqs.append(Sequence(f"{request_id}-{i}", i, request, params, state, gen, k, completion))

@@ -7,6 +7,8 @@ import msgspec
 MAX_LOGPROBS = 5
 MAX_N = 8
 MAX_SPECULATIVE_TOKENS = 16
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; per-sequence seeds wrap inside this range
+MAX_INT32 = 2**31 - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -56,14 +58,15 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1, 0 (disabled) or >= 1"),
+            ("top_k", -1 <= self.top_k <= MAX_INT32, f"must be -1, 0 (disabled) or in [1, {MAX_INT32}]"),
+            ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be in [0, {MAX_LOGPROBS}]"),
             ("num_speculative_tokens",
              self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"must be in [0, {MAX_SPECULATIVE_TOKENS}]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
+            ("stop_token_ids", all(0 <= t <= MAX_INT32 for t in self.stop_token_ids), f"must be in [0, {MAX_INT32}]"),
         ]
         for field, ok, why in checks:
             if not ok:

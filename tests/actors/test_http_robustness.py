@@ -33,6 +33,14 @@ BAD_INPUTS = [
     (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 6}, 400),
     (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400),
     (CHAT, {**OK_CHAT, "model": "other"}, 404), (CHAT, {**OK_CHAT, "max_completion_tokens": 0}, 400),
+    (C, {**OK_PROMPT, "top_k": 2**64 - 1}, 400), (C, {**OK_PROMPT, "seed": 2**64}, 400),
+    (C, {**OK_PROMPT, "seed": -1}, 400), (C, {**OK_PROMPT, "stop_token_ids": [2**40]}, 400),
+    (C, {**OK_PROMPT, "prompt": [1.5, 2]}, 400), (C, {**OK_PROMPT, "logit_bias": {"5": 10}}, 400),
+    (C, {**OK_PROMPT, "suffix": "x"}, 400), (C, {**OK_PROMPT, "presence_penalty": 0.5}, 400),
+    (C, {**OK_PROMPT, "best_of": 3}, 400), (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400),
+    (CHAT, {**OK_CHAT, "response_format": {"type": "json_object"}}, 400),
+    ("/v1/embeddings", {"model": MODEL_NAME, "input": "x"}, 404),
+    (C, b"{" + b" " * (5 * 1024 * 1024) + b"}", 413),
 ]
 
 
@@ -63,6 +71,12 @@ def test_bad_inputs_get_openai_errors_while_a_stream_runs_intact(served, referen
     text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in [first] + rest[:-1] if json.loads(x[6:])["choices"])
     assert text == expected.outputs[0].text
     assert _post(url, C, {**OK_PROMPT, "unknown_field": 1}).status_code == 200  # unknown fields are ignored
+    big_seed = _post(url, C, {**OK_PROMPT, "seed": 2**63 - 1, "n": 2, "temperature": 1.0})
+    assert big_seed.status_code == 200 and len(big_seed.json()["choices"]) == 2  # per-sequence seeds wrap
+    wrong_method = httpx.get(url + C)
+    assert wrong_method.status_code == 405 and set(wrong_method.json()["error"]) == {"message", "type", "param", "code"}
+    out_of_vocab = _post(url, C, {**OK_PROMPT, "prompt": [5, 99999]})
+    assert out_of_vocab.json()["error"]["param"] == "prompt"
     assert httpx.get(url + "/health").status_code == 200
 
 
