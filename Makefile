@@ -1,6 +1,6 @@
 # Two commands do all setup on a fresh machine: `make serve` and `make test`.
-# Both create (or reuse) .venv. TORCH picks the torch build: the default is the CPU wheel;
-# on a GPU machine install a CUDA build into .venv first (see README) and it is kept.
+# Both create (or reuse) .venv. TORCH is what pip installs for torch (pip arguments, e.g. an index
+# URL for a CPU-only or CUDA build); a torch already in .venv is kept (see README).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -12,7 +12,7 @@ CONFIG ?= configs/embedded.yaml
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
