@@ -94,3 +94,20 @@ def test_greedy_32_tokens_match_transformers_generate(tiny_checkpoints, arch):
     got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
     assert [o.outputs[0].token_ids for o in got] == expected
     assert all(len(t) == 32 for t in expected)
+
+
+def test_sharded_checkpoint_loads_with_its_index(tiny_checkpoints, tmp_path):
+    from tests.helpers.tiny_checkpoints import byte_tokenizer
+
+    _, ref = tiny_checkpoints["qwen2_moe"]
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")  # forces several shards + an index
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    loaded = load_model(tmp_path)
+    kv = loaded.model.new_kv_cache(1, 32)
+    prompt = _prompts(4)[0]
+    logits = loaded.model.forward(ForwardBatch.build([kv.allocate()], [prompt], [0], logits="all"), kv)
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0]
+    assert (expected - logits).abs().max().item() <= 1e-4
