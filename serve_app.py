@@ -52,8 +52,10 @@ def check_port(host: str, port: int) -> None:
 
 def ray_env() -> dict:
     """Environment every Ray worker gets: one torch thread, and the OTel settings of this shell."""
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("OTEL_") or k.startswith("SPECMOE_")})
+    from observability import otel_env_vars
+
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **otel_env_vars()}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("SPECMOE_")})
     return env
 
 

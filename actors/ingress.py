@@ -50,10 +50,14 @@ class IngressServer:
     """Request handling for the OpenAI routes; ``verifier`` is a Serve handle (or a test double)."""
 
     def __init__(self, config: ServeConfig, verifier) -> None:
+        from ray.serve.handle import DeploymentHandle
+
         from engine.config import load_model_config
         from engine.loader import load_tokenizer
 
         self.config, self.verifier = config, verifier
+        # A Serve handle must be asked for a stream; a test double streams as it is.
+        self._verifier_stream = verifier.options(stream=True) if isinstance(verifier, DeploymentHandle) else verifier
         self.model_name = config.model_name
         model_path = config.engine.model
         model_config = load_model_config(model_path)
@@ -148,7 +152,7 @@ class IngressServer:
         tel.trace.request(sc.gen_ai_request_attributes(op, self.model_name, max_tokens=params.max_tokens,
                                                        temperature=params.temperature, top_p=params.top_p,
                                                        seed=params.seed))
-        stream = self._verifier_stream().generate.remote(ids, msgspec.to_builtins(params), prompt_text, rid,
+        stream = self._verifier_stream.generate.remote(ids, msgspec.to_builtins(params), prompt_text, rid,
                                                          tel.trace.carrier())
         try:
             first = await stream.__anext__()
@@ -178,13 +182,6 @@ class IngressServer:
             stream.cancel()
             tel.finish(status, rid)
         return JSONResponse(builder.final())
-
-    def _verifier_stream(self):
-        from ray.serve.handle import DeploymentHandle
-
-        if isinstance(self.verifier, DeploymentHandle):
-            return self.verifier.options(stream=True)
-        return self.verifier
 
     def _absorb(self, builder: ResponseBuilder, item: dict, tel: RequestTelemetry) -> list[dict]:
         if item["type"] == "error":

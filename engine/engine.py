@@ -197,7 +197,7 @@ class LLMEngine:
         if not speculate:
             return 0
         remaining = seq.params.max_tokens - seq.num_output_tokens - 1
-        room = self.max_model_len - len(seq.token_ids) - 1
+        room = self.max_model_len - seq.num_tokens - 1
         return max(0, min(seq.k, remaining, room))
 
     def _decode_cost(self, seq: Sequence, speculate: bool) -> int:
@@ -219,7 +219,7 @@ class LLMEngine:
         draft_lists = [[] for _ in prefills] + [drafts[s.seq_id].token_ids if s.seq_id in drafts else []
                                                for s in decodes]
         new_tokens = [s.prompt_token_ids for s in prefills] + [
-            [s.token_ids[-1]] + d for s, d in zip(decodes, draft_lists[len(prefills):])
+            [s.last_token_id] + d for s, d in zip(decodes, draft_lists[len(prefills):])
         ]
         starts = [0] * len(prefills) + [s.num_cached for s in decodes]
         num_logits = [1] * len(prefills) + [len(t) for t in new_tokens[len(prefills):]]

@@ -56,6 +56,16 @@ class Sequence:
         return self.request.prompt_token_ids + self.state.token_ids
 
     @property
+    def num_tokens(self) -> int:
+        """``len(self.token_ids)`` without building the list (asked every step)."""
+        return len(self.request.prompt_token_ids) + len(self.state.token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        out = self.state.token_ids
+        return out[-1] if out else self.request.prompt_token_ids[-1]
+
+    @property
     def is_prefill(self) -> bool:
         return self.num_cached == 0 and not self.state.token_ids
 

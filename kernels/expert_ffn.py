@@ -11,6 +11,11 @@ import torch
 import torch.nn.functional as F
 
 
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``; weights ``(out, in)``."""
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
 def expert_ffn_reference(
     hidden: torch.Tensor,
     expert_counts: torch.Tensor,
@@ -43,7 +48,7 @@ def expert_ffn_reference(
         if count == 0:
             continue
         x = hidden[start : start + count]
-        y = F.linear(F.silu(F.linear(x, w_gate[e])) * F.linear(x, w_up[e]), w_down[e])
+        y = swiglu(x, w_gate[e], w_up[e], w_down[e])
         if routing_weights is not None:
             # Scale in the activation dtype after casting, as the HF reference does.
             y = y * routing_weights[start : start + count, None].to(y.dtype)

@@ -83,8 +83,3 @@ def attention(
         q_pad.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=keys.shape[1] != q.shape[1]
     )
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]
-
-
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """Dense SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``; weights ``(out, in)``."""
-    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)

@@ -16,9 +16,10 @@ from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
-from engine.model.layers import Rotary, apply_rotary, attention, rms_norm, swiglu
+from engine.model.layers import Rotary, apply_rotary, attention, rms_norm
 from engine.model.moe import ExpertExecutor
 from engine.model.names import layer_prefix, mlp_names, moe_prefix, router_name
+from kernels.expert_ffn import swiglu
 from kernels.routing import topk_routing
 
 
