@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from engine.args import EngineArgs
@@ -24,7 +26,17 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         torch_threads: torch intra-op threads inside each expert actor.
         straggler_multiple, straggler_floor_ms: a call slower than multiple x the dispatch's median
             and above the floor is flagged as a straggler.
-        namespace: Ray namespace of the named, shared expert actors.
+        namespace: Ray namespace of the named expert actors.
+        transport: how a MoE layer's rows reach the actors. ``compiled_graph`` (default): one Ray
+            Compiled Graph over one replica of every group per verifier replica (shared-memory
+            channels on a node; ~0.2-0.5 ms a layer on a 2-core VM), with ``actor_calls`` as the
+            fallback while the graph builds or after it failed. ``actor_calls``: one Ray actor
+            call per group, issued from the engine thread (~1.5-2 ms a layer); the actors are then
+            named, detached and shared by every verifier replica. See docs/TRANSPORT.md.
+        graph_idle_teardown_s: a compiled graph unused this long is torn down, because its readers
+            poll (each idle actor would burn a core); the next step rebuilds it in the background.
+        graph_buffer_size_bytes: initial size of each compiled-graph channel (Ray resizes a channel
+            when a larger message is written).
     """
 
     experts_per_actor: int = 4
@@ -37,6 +49,9 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     straggler_multiple: float = 3.0
     straggler_floor_ms: float = 5.0
     namespace: str = "specmoe"
+    transport: Literal["compiled_graph", "actor_calls"] = "compiled_graph"
+    graph_idle_teardown_s: float = 2.0
+    graph_buffer_size_bytes: int = 1_000_000
 
     def __post_init__(self) -> None:
         if self.experts_per_actor < 1:
@@ -45,6 +60,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             raise ValueError("experts.replicas and experts.hot_expert_replicas values must be >= 1")
         if self.call_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("experts.call_timeout_s must be > 0 and experts.max_attempts >= 1")
+        if self.graph_idle_teardown_s <= 0 or self.graph_buffer_size_bytes < 1024:
+            raise ValueError("experts.graph_idle_teardown_s must be > 0 and experts.graph_buffer_size_bytes >= 1024")
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -68,7 +85,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         model_name: the name clients pass as ``model`` (and the metrics' model_name label).
         engine: target/draft checkpoints, speculation and scheduler settings.
         experts: expert actor pool.
-        verifier, draft, ingress: deployment options.
+        verifier, ingress: deployment options.
+        draft: resources of each verifier replica's draft actor (``num_cpus``, ``num_gpus``; the
+            other fields do not apply: the draft actor is part of its verifier's serving unit).
         http: where the HTTP proxy listens.
         request_timeout_s: a request still running after this long is cancelled.
         tracing: OpenTelemetry settings (see :mod:`observability.tracing`); None = environment only.

@@ -9,14 +9,8 @@ from fastapi import Request
 from ray import serve
 
 from actors.config import ServeConfig
-from actors.draft_server import DraftServer
 from actors.ingress import IngressServer, app
 from actors.verifier import VerifierServer
-
-
-@serve.deployment(name="draft")
-class DraftDeployment(DraftServer):
-    pass
 
 
 @serve.deployment(name="verifier")
@@ -53,18 +47,13 @@ class IngressDeployment:
 
 
 def build_app(config: ServeConfig):
-    """The bound application: ingress -> verifier -> draft (expert actors are made by verifiers)."""
+    """The bound application: ingress -> verifier (each verifier replica makes its serving unit's
+    draft actor and expert actors)."""
     cfg = msgspec.to_builtins(config)
-    e = config.engine
 
     def opts(d):
         return dict(num_replicas=d.num_replicas, max_ongoing_requests=d.max_ongoing_requests,
                     ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus})
 
-    draft = None
-    if e.speculative_method == "draft":
-        draft = DraftDeployment.options(**opts(config.draft)).bind(
-            e.draft_model, e.dtype, e.device, e.scheduler.max_num_seqs * config.verifier.num_replicas,
-            e.max_model_len, cfg["tracing"])
-    verifier = VerifierDeployment.options(**opts(config.verifier)).bind(cfg, draft)
+    verifier = VerifierDeployment.options(**opts(config.verifier)).bind(cfg)
     return IngressDeployment.options(**opts(config.ingress)).bind(cfg, verifier)

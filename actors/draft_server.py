@@ -1,19 +1,23 @@
-"""Draft deployment: a shim over :class:`DraftModelDrafter`, plus the verifier-side client.
+"""The draft actor: a shim over :class:`DraftModelDrafter`, plus the verifier-side client.
 
-Generators cross the hop as their state bytes: the draft replica samples with the request's own
+Each verifier replica owns one draft actor (its serving unit's drafter: a separate process
+holding the draft model and its KV cache), reached from the engine thread through a compiled graph
+(``experts.transport: compiled_graph``) or a plain actor call. Generators cross the hop as their
+state bytes: the draft replica samples with the request's own
 generator and sends the advanced state back, so a sampled request draws exactly the same random
 numbers as it would in-process, and its output does not depend on which replica drafted.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
+import ray
 import torch
 
+from actors.compiled_graph import ActorGraph
 from engine.drafters.base import DraftProposal, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -42,13 +46,14 @@ def requests_from_wire(wire: list[dict]) -> list[DraftRequest]:
 
 
 class DraftServer:
-    """Serves draft proposals from a draft model (any replica can serve any sequence).
+    """Serves draft proposals from a draft model.
 
     Args:
         draft_model: draft checkpoint directory.
         dtype, device: as for the target.
         max_seqs: sequences whose draft KV cache is kept (LRU); a miss re-prefills.
         max_len: draft cache context window.
+        tracing: :class:`observability.TracingConfig` as builtins (None: environment only).
     """
 
     def __init__(self, draft_model: str, dtype: str = "float32", device: str = "cpu", max_seqs: int = 16,
@@ -62,41 +67,91 @@ class DraftServer:
         torch.set_num_threads(1)
         setup_tracing("draft", msgspec.convert(tracing, TracingConfig) if tracing else None)
         self.drafter = DraftModelDrafter(load_model(draft_model, dtype, device), max_seqs, max_len)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="draft")  # one model, one thread
 
-    def propose_sync(self, wire: list[dict], release: list[str]) -> list[dict]:
-        for seq_id in release:
-            self.drafter.release(seq_id)
-        requests = requests_from_wire(wire)
-        proposals = self.drafter.propose(requests)
-        return [{"token_ids": p.token_ids, "probs": None if p.probs is None else p.probs.numpy(),
-                 "generator": _gen_state(r.generator)} for p, r in zip(proposals, requests)]
+    def propose(self, wire: list[dict], release: list[str] | None = None,
+                carrier: dict | None = None) -> list[dict]:
+        """Draft tokens for each request (wire format of :func:`requests_to_wire`).
 
-    async def propose(self, wire: list[dict], release: list[str] | None = None,
-                      carrier: dict | None = None) -> list[dict]:
-        """Draft tokens for each request; model work runs off the event loop."""
+        Returns:
+            Per request ``{"token_ids", "probs" ((n, V) float32 numpy or None), "generator"}``.
+        """
         from observability import SpanKind, start_span
         from observability import semconv as sc
 
-        loop = asyncio.get_running_loop()
         with start_span(sc.SPAN_DRAFT_FORWARD, carrier=carrier, kind=SpanKind.SERVER,
                         attributes={sc.STEP_BATCH_SIZE: len(wire)}):
-            return await loop.run_in_executor(self._executor, self.propose_sync, wire, release or [])
+            for seq_id in release or []:
+                self.drafter.release(seq_id)
+            requests = requests_from_wire(wire)
+            proposals = self.drafter.propose(requests)
+            # Explicit host copy: the draft probabilities cross a process boundary as numpy.
+            return [{"token_ids": p.token_ids, "probs": None if p.probs is None else p.probs.detach().cpu().numpy(),
+                     "generator": _gen_state(r.generator)} for p, r in zip(proposals, requests)]
 
-    async def num_cache_misses(self) -> int:
+    def propose_graph(self, request: tuple | None, index: int) -> list[dict] | None:
+        """One compiled-graph execution: ``request`` is ``(wire, release, carrier)``, or None for
+        the warm-up execution after compiling."""
+        return None if request is None else self.propose(*request)
+
+    def num_cache_misses(self) -> int:
         return self.drafter.num_cache_misses
 
 
-class RemoteDrafter:
-    """The verifier's ``Drafter``: asks the draft deployment, from the engine thread.
+DraftActor = ray.remote(DraftServer)
 
-    A failed or slow draft call never fails a request: that step just runs without speculation.
+
+@dataclass
+class DraftActorSpec:
+    """How the verifier creates (and after a death re-creates) its draft actor."""
+
+    draft_model: str
+    dtype: str
+    device: str
+    max_seqs: int
+    max_len: int | None
+    tracing: dict | None
+    name_prefix: str
+    namespace: str
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+
+
+@dataclass
+class _Member:
+    handle: ray.actor.ActorHandle
+
+
+class RemoteDrafter:
+    """The verifier's ``Drafter``: asks its draft actor, from the engine thread.
+
+    The hop is a compiled-graph execution when ``graph`` is set and the graph is live, else a plain
+    actor call, made and awaited on the engine thread itself (no event-loop hop). A failed or slow
+    draft call never fails a request: that step just runs without speculation; a dead actor is
+    re-created (its cache re-prefills on the next proposals).
+
+    Args:
+        spec: the draft actor to create.
+        timeout_s: longest wait for one proposal call.
+        graph: use a compiled graph (idle teardown and channel size from the expert pool config).
     """
 
-    def __init__(self, handle, loop: asyncio.AbstractEventLoop, timeout_s: float = 10.0) -> None:
-        self.handle, self.loop, self.timeout_s = handle, loop, timeout_s
+    def __init__(self, spec: DraftActorSpec, timeout_s: float = 10.0, graph: bool = False,
+                 idle_teardown_s: float = 2.0, buffer_size_bytes: int = 1_000_000) -> None:
+        self.spec, self.timeout_s = spec, timeout_s
         self._released: list[str] = []
         self.num_failures = 0
+        self.generation = 0
+        self.member = _Member(self._make())
+        self.graph = ActorGraph("draft", lambda: ([self.member], "propose_graph"), lambda n: None, timeout_s,
+                                idle_teardown_s, buffer_size_bytes) if graph else None
+
+    def _make(self) -> ray.actor.ActorHandle:
+        s = self.spec
+        # max_concurrency 2: a plain call still runs while the compiled-graph loop holds a thread.
+        return DraftActor.options(name=f"{s.name_prefix}-v{self.generation}", namespace=s.namespace,
+                                  get_if_exists=True, num_cpus=s.num_cpus, num_gpus=s.num_gpus,
+                                  max_concurrency=2).remote(s.draft_model, s.dtype, s.device, s.max_seqs, s.max_len,
+                                                            s.tracing)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         from observability import inject_context, is_enabled
@@ -104,12 +159,12 @@ class RemoteDrafter:
         release, self._released = self._released, []
         carrier = inject_context() if is_enabled() else None  # the draft.propose span, this thread
         try:
-            future = asyncio.run_coroutine_threadsafe(self._call(requests_to_wire(requests), release, carrier),
-                                                      self.loop)
-            wire = future.result(self.timeout_s)
+            wire = self._call((requests_to_wire(requests), release, carrier))
         except Exception as e:  # draft failure: speculation off for this step only
             self.num_failures += 1
-            log.warning("draft deployment failed (%s: %s); step runs without speculation", type(e).__name__, e)
+            log.warning("draft actor failed (%s: %s); step runs without speculation", type(e).__name__, e)
+            if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
+                self._recreate()
             return [DraftProposal([]) for _ in requests]
         out = []
         for r, w in zip(requests, wire):
@@ -119,8 +174,27 @@ class RemoteDrafter:
             out.append(DraftProposal(list(w["token_ids"]), probs))
         return out
 
-    async def _call(self, wire: list[dict], release: list[str], carrier: dict | None) -> list[dict]:
-        return await self.handle.propose.remote(wire, release, carrier)
+    def _call(self, request: tuple) -> list[dict]:
+        if self.graph is not None:
+            if self.graph.live:
+                result = self.graph.execute(request)
+                if result is not None:
+                    return result[0]
+            else:
+                self.graph.request_build()  # in the background; this step uses a plain call
+        return ray.get(self.member.handle.propose.remote(*request), timeout=self.timeout_s)
+
+    def _recreate(self) -> None:
+        try:
+            ray.kill(self.member.handle, no_restart=True)  # a hung actor keeps its model otherwise
+        except Exception:
+            pass
+        self.generation += 1
+        self.member = _Member(self._make())
 
     def release(self, seq_id: str) -> None:
         self._released.append(seq_id)  # sent with the next proposal call
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()

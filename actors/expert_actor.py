@@ -51,7 +51,7 @@ class ExpertWorker:
 
     def forward(self, layer: int, counts: list[int], hidden: np.ndarray, weights: np.ndarray,
                 sent_time_s: float, carrier: dict | None = None) -> tuple[np.ndarray, dict]:
-        """Run held experts on grouped rows.
+        """Run held experts on grouped rows (the ``actor_calls`` transport: one Ray call).
 
         Args:
             layer: MoE layer index.
@@ -59,10 +59,11 @@ class ExpertWorker:
             hidden: ``(rows, hidden_size)`` rows grouped by expert (wire format of the dtype).
             weights: ``(rows,)`` float32 routing weights applied to the outputs.
             sent_time_s: caller's ``time.time()`` when sending (queue time = start - sent).
-            carrier: W3C trace context of the caller's dispatch span.
+            carrier: W3C trace context of the caller's call span.
 
         Returns:
-            ``(rows, hidden_size)`` weighted expert outputs (wire format), and timings in ms.
+            ``(rows, hidden_size)`` weighted expert outputs (wire format), and timings: ``queue_ms``,
+            ``compute_ms``, ``start_s`` (this actor's ``time.time()``), ``actor_id``.
         """
         import torch
 
@@ -73,12 +74,32 @@ class ExpertWorker:
         x = from_wire(hidden, self.dtype, self.device)
         w = torch.from_numpy(np.array(weights, copy=True)).to(self.device)
         out = self.store.forward(layer, x, torch.tensor(counts, dtype=torch.int64), w)
+        result = to_wire(out)  # the host copy for the wire is part of the compute time
         compute_ms = (time.time() - start) * 1e3
         self.num_calls += 1
         timing = {"queue_ms": queue_ms, "compute_ms": compute_ms, "actor_id": self.actor_id,
                   "start_s": start}
         self._trace(layer, counts, timing, carrier)
-        return to_wire(out), timing
+        return result, timing
+
+    def forward_graph(self, request: tuple, index: int) -> tuple[np.ndarray, dict] | None:
+        """This actor's part of one compiled-graph execution (the ``compiled_graph`` transport).
+
+        Args:
+            request: ``(layer, calls, sent_time_s)`` shared by every actor of the graph; ``calls[index]``
+                is None (nothing for this actor this layer) or ``(counts, hidden, weights, carrier)``
+                as for :meth:`forward`. ``layer`` None is the warm-up execution after compiling.
+            index: this actor's position in the graph (bound at compile time).
+
+        Returns:
+            What :meth:`forward` returns, or None when there was nothing to do.
+        """
+        layer, calls, sent_time_s = request
+        call = calls[index] if layer is not None else None
+        if call is None:
+            return None
+        counts, hidden, weights, carrier = call
+        return self.forward(layer, counts, hidden, weights, sent_time_s, carrier)
 
     def _trace(self, layer: int, counts: list[int], timing: dict, carrier: dict | None) -> None:
         """The actor-side span of this call: a child of the router's call span."""

@@ -33,13 +33,15 @@ class Replica:
 
 @dataclass
 class ExpertPool:
-    """Expert actors shared by every verifier replica.
+    """Expert actors of a verifier replica, or shared by every verifier replica.
 
     Groups are consecutive expert-id ranges of ``experts_per_actor`` experts, so the rows of one
     group are one contiguous slice of a layer's dispatch. Actors are named
     ``{prefix}-g{group}-r{replica}-v{generation}`` in the config's namespace and created with
-    ``get_if_exists``: verifier replicas find the same actors, and after a death every replica
-    re-creates the same next generation.
+    ``get_if_exists``. A shared pool (``detached``) outlives its creators: verifier replicas find the
+    same actors, and after a death every replica re-creates the same next generation. A private
+    pool (the compiled-graph transport: an actor can be in only one compiled graph) is owned by
+    its verifier replica, named with that replica's prefix, and dies with it.
     """
 
     checkpoint: str
@@ -49,6 +51,7 @@ class ExpertPool:
     device: str = "cpu"
     prefix: str = "specmoe-experts"
     tracing: dict | None = None  # TracingConfig as builtins, for the actors' own exporters
+    detached: bool = True
     groups: list[list[int]] = field(default_factory=list)
     replicas: dict[int, list[Replica]] = field(default_factory=dict)
 
@@ -62,8 +65,11 @@ class ExpertPool:
 
     def _make(self, group: int, index: int, generation: int) -> Replica:
         name = f"{self.prefix}-g{group}-r{index}-v{generation}"
-        options = dict(name=name, namespace=self.config.namespace, get_if_exists=True, lifetime="detached",
-                       num_cpus=0, num_gpus=self.config.num_gpus, max_concurrency=1)
+        # max_concurrency 2: control calls (info, delays) and fallback calls still run while the
+        # actor's compiled-graph loop occupies one thread.
+        options = dict(name=name, namespace=self.config.namespace, get_if_exists=True,
+                       lifetime="detached" if self.detached else None,
+                       num_cpus=0, num_gpus=self.config.num_gpus, max_concurrency=2)
         handle = ExpertActor.options(**options).remote(
             self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads, self.tracing)
         return Replica(group, index, generation, name, handle)
@@ -80,7 +86,8 @@ class ExpertPool:
         current = self.replicas[dead.group][dead.index]
         if current is not dead and current.alive:
             return current  # another coroutine already replaced it
-        log.warning("expert actor %s is gone; re-creating it", dead.name)
+        log.warning("expert actor %s is gone or hung; re-creating it", dead.name)
+        _kill(dead.handle)  # a hung actor would otherwise keep its weights (and GPU share) forever
         fresh = self._make(dead.group, dead.index, dead.generation + 1)
         self.replicas[dead.group][dead.index] = fresh
         return fresh
@@ -90,7 +97,11 @@ class ExpertPool:
 
     def shutdown(self) -> None:
         for r in self.all_replicas():
-            try:
-                ray.kill(r.handle)
-            except Exception:  # already gone
-                pass
+            _kill(r.handle)
+
+
+def _kill(handle: ray.actor.ActorHandle) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already gone
+        pass

@@ -104,8 +104,30 @@ class RouterTelemetry:
             log.debug("call span failed", exc_info=True)
             return None
 
-    def end_dispatch(self, dispatch, layer: int, expert_counts: list[int], records: list) -> None:
+    def abandon_call(self, record, reason: str) -> None:
+        """End the span of a call that failed or will be re-sent (each attempt has its own span)."""
         try:
+            if record.span is not None:
+                record.span.set_attributes({sc.EXPERT_ERROR: reason, sc.EXPERT_ATTEMPTS: record.attempts,
+                                            sc.EXPERT_TRANSPORT: record.transport})
+                record.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
+                record.span.end()
+        except Exception:
+            log.debug("call span failed", exc_info=True)
+        record.span = None
+
+    def end_dispatch(self, dispatch, layer: int, expert_counts: list[int], records: list,
+                     error: str | None = None) -> None:
+        """Close a dispatch: call spans, straggler flags and metrics; on ``error`` (the dispatch
+        failed) the unfinished call spans and the dispatch span end with an error status."""
+        try:
+            if error is not None:
+                for r in records:
+                    self.abandon_call(r, error)
+                if dispatch is not None:
+                    dispatch[0].set_status(trace.Status(trace.StatusCode.ERROR, error))
+                    dispatch[0].end()
+                return
             flagged = self.detector.flag({r.group: r.latency_ms for r in records}, layer=layer)
             for r in records:
                 self._record_call(layer, r, r.group in flagged)
@@ -129,7 +151,7 @@ class RouterTelemetry:
             sc.MOE_LAYER: layer, sc.EXPERT_ID: ",".join(str(e) for e in r.expert_ids),
             sc.EXPERT_REPLICA: r.timing.get("actor_id", r.replica), sc.EXPERT_NUM_TOKENS: r.rows,
             sc.EXPERT_QUEUE_TIME_MS: max(0.0, r.latency_ms - compute_ms), sc.EXPERT_COMPUTE_TIME_MS: compute_ms,
-            sc.EXPERT_STRAGGLER: straggler, "specmoe.expert.attempts": r.attempts})
+            sc.EXPERT_STRAGGLER: straggler, sc.EXPERT_ATTEMPTS: r.attempts, sc.EXPERT_TRANSPORT: r.transport})
         r.span.end(end_time=int(r.done_s * 1e9))
 
 

@@ -102,6 +102,9 @@ EXPERT_NUM_TOKENS: Final = "specmoe.expert.num_tokens"
 EXPERT_QUEUE_TIME_MS: Final = "specmoe.expert.queue_time_ms"  # round trip minus compute, ms
 EXPERT_COMPUTE_TIME_MS: Final = "specmoe.expert.compute_time_ms"  # reported by the actor, ms
 EXPERT_STRAGGLER: Final = "specmoe.expert.straggler"  # bool, see observability.stragglers
+EXPERT_ATTEMPTS: Final = "specmoe.expert.attempts"  # tries of this group in this dispatch
+EXPERT_TRANSPORT: Final = "specmoe.expert.transport"  # compiled_graph | actor_call
+EXPERT_ERROR: Final = "specmoe.expert.error"  # why this attempt was abandoned
 
 
 # --- attribute builders (pure; None values are dropped by the span helpers) ------------------

@@ -1,0 +1,189 @@
+"""The compiled-graph transport: Ray Compiled Graphs the verifier's engine thread drives.
+
+A graph is ``InputNode -> actor_i.<method>(input, i) -> MultiOutputNode`` over a fixed list of
+actors. For the experts: one replica of every expert group, one execution per MoE layer; the engine
+thread writes ``(layer, calls, sent_time_s)`` to the shared input channel, every actor takes its
+own call and writes its result to its own channel. For the draft: the replica's draft actor, one
+execution per step. On one node the channels are shared memory (~0.1-0.5 ms a hop on a 2-core
+VM, against ~1.5-2 ms for plain actor calls and ~5 ms for a Serve handle call; docs/TRANSPORT.md).
+
+Ray's constraints shape the lifecycle (Ray 2.60): ``execute`` is not thread-safe (one lock; only
+the engine thread executes once the graph is live); an actor belongs to one graph at a time (so
+the actors are private to the replica); compiling plus the first execution takes ~2 s (built on a
+background thread while the router falls back to actor calls); channel readers poll with
+``sched_yield`` (an idle graph would burn a core per actor, so it is torn down after
+``graph_idle_teardown_s`` unused); and any failure (actor death, timeout) leaves the graph
+unusable, so it is torn down and rebuilt from the current members.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GraphStats:
+    """Counters of the graph's life (verifier stats, tests, benchmarks)."""
+
+    builds: int = 0
+    build_failures: int = 0
+    executions: int = 0
+    failures: int = 0
+    idle_teardowns: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class ActorGraph:
+    """A compiled graph over the actors ``members()`` returns, built and torn down on demand.
+
+    Args:
+        name: for logs.
+        members: returns ``(members, method)`` to build over (called on the build thread), or raises
+            when they are not ready (the build is skipped and retried on the next request). Each
+            member has an actor ``handle`` whose ``method(request, index)`` is bound with the
+            member's list index.
+        warmup: the request of the first, unwaited execution that starts the actors' loops.
+        timeout_s: longest wait for one execution's results before the graph counts as failed.
+        idle_teardown_s: tear the graph down after this long without an execution.
+        buffer_size_bytes: initial channel size (Ray resizes channels for larger messages).
+    """
+
+    def __init__(self, name: str, members: Callable[[], tuple[list, str]], warmup: Callable[[int], Any],
+                 timeout_s: float, idle_teardown_s: float, buffer_size_bytes: int) -> None:
+        self.name, self._members, self._warmup = name, members, warmup
+        self.timeout_s = timeout_s
+        self.idle_teardown_s, self.buffer_size_bytes = idle_teardown_s, buffer_size_bytes
+        self.stats = GraphStats()
+        self._lock = threading.Lock()  # guards _dag: execute, publish and teardown never overlap
+        self._dag = None
+        self._actors: list = []
+        self._building = False
+        self._closed = False
+        self._teardowns: list[threading.Thread] = []
+        self._last_used = time.monotonic()
+        self._janitor = threading.Thread(target=self._janitor_loop, name="expert-graph-janitor", daemon=True)
+        self._janitor.start()
+
+    @property
+    def live(self) -> bool:
+        return self._dag is not None
+
+    @property
+    def members(self) -> list:
+        """The members inside the live graph, in bind order."""
+        return list(self._actors)
+
+    def execute(self, request: tuple) -> list | None:
+        """Run one layer through the graph; None when no graph is live (the caller uses actor calls).
+
+        Args:
+            request: what every actor's method receives (each picks its own part by index).
+
+        Returns:
+            One result per actor, or None. Starts a background build when no graph is live; a
+            failed execution tears the graph down and returns None.
+        """
+        with self._lock:
+            self._last_used = time.monotonic()
+            dag = self._dag
+            if dag is None:
+                self._start_build()
+                return None
+            try:
+                results = ray.get(dag.execute(request), timeout=self.timeout_s)
+            except Exception as e:  # actor death, timeout, channel error: the graph is unusable now
+                self.stats.failures += 1
+                log.warning("compiled %s graph failed (%s: %s); falling back to actor calls",
+                            self.name, type(e).__name__, e)
+                self._dag, self._actors = None, []
+                self._teardowns.append(_teardown_in_background(dag))
+                return None
+            self.stats.executions += 1
+            return results
+
+    def request_build(self) -> None:
+        """Start building in the background unless a graph is live or being built."""
+        with self._lock:
+            self._last_used = time.monotonic()
+            if self._dag is None:
+                self._start_build()
+
+    def _start_build(self) -> None:
+        if self._building or self._closed:
+            return
+        self._building = True
+        threading.Thread(target=self._build, name="expert-graph-build", daemon=True).start()
+
+    def _build(self) -> None:
+        """Compile over the current members, warm up, then publish (unless closed meanwhile)."""
+        from ray.dag import InputNode, MultiOutputNode
+
+        dag = None
+        try:
+            for t in self._teardowns:  # an actor must leave its old graph before joining a new one
+                t.join(timeout=max(60.0, self.timeout_s))
+            self._teardowns = [t for t in self._teardowns if t.is_alive()]
+            if self._teardowns:
+                raise RuntimeError("the previous graph is still being torn down")
+            actors, method = self._members()
+            with InputNode() as request:
+                node = MultiOutputNode([getattr(a.handle, method).bind(request, i) for i, a in enumerate(actors)])
+            dag = node.experimental_compile(_buffer_size_bytes=self.buffer_size_bytes)
+            # The first execution starts every actor's loop (~2 s here); nobody waits for it.
+            ray.get(dag.execute(self._warmup(len(actors))), timeout=max(60.0, self.timeout_s))
+            with self._lock:
+                if not self._closed:
+                    self._dag, self._actors, dag = dag, actors, None
+                    self._last_used = time.monotonic()
+                    self.stats.builds += 1
+        except Exception as e:
+            self.stats.build_failures += 1
+            log.warning("building the compiled %s graph failed (%s: %s); using actor calls",
+                        self.name, type(e).__name__, e)
+        finally:
+            self._building = False
+            if dag is not None:
+                _teardown(dag)
+
+    def _janitor_loop(self) -> None:
+        while not self._closed:
+            time.sleep(min(0.5, self.idle_teardown_s / 2))
+            with self._lock:
+                if self._dag is None or time.monotonic() - self._last_used < self.idle_teardown_s:
+                    continue
+                dag, self._dag, self._actors = self._dag, None, []
+                self.stats.idle_teardowns += 1
+                _teardown(dag)
+
+    def close(self) -> None:
+        """Tear the graph down for good (replica shutdown)."""
+        with self._lock:
+            self._closed = True
+            dag, self._dag, self._actors = self._dag, None, []
+        if dag is not None:
+            _teardown(dag)
+
+
+def _teardown(dag) -> None:
+    try:
+        dag.teardown()
+    except Exception:  # a graph whose actor died may already have torn itself down
+        log.debug("compiled graph teardown failed", exc_info=True)
+
+
+def _teardown_in_background(dag) -> threading.Thread:
+    # Teardown waits for every actor's loop to stop; a hung actor must not stall the engine thread.
+    thread = threading.Thread(target=_teardown, args=(dag,), name="expert-graph-teardown", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,171 @@
+"""Cost of one hop on each transport, against the work it carries, in one run.
+
+    python benchmarks/transport.py [--iters 300] [--save-result runs/transport.json]
+
+On local Ray with the bundled target: one MoE layer's dispatch through :class:`ExpertRouter`
+(compiled graph vs actor calls) and the same experts run in-process; one draft proposal through
+:class:`RemoteDrafter` (compiled graph vs actor call) and the draft model in-process. Row counts
+are the decode shapes of the embedded config: batch 1 and 8 at k = 6 (7 tokens per sequence,
+top-2 routing). Also the CPU time the actors burn in 10 idle seconds with a graph live and after
+its idle teardown. Milliseconds; overhead = hop - in-process work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import DRAFT, ROOT, machine, print_table, save_json  # noqa: E402
+
+TARGET = str(ROOT / "checkpoints/stdlib-moe-target")
+
+
+def _times_ms(iters: int, fn, *args) -> tuple[float, float]:
+    """Median and p99 of ``fn(*args)`` in ms, after 20 uncounted calls."""
+    for _ in range(20):
+        fn(*args)
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn(*args)
+        samples.append((time.perf_counter() - t) * 1e3)
+    samples.sort()
+    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
+
+
+def _wait_live(graph, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not graph.live and time.monotonic() < deadline:
+        graph.request_build()
+        time.sleep(0.1)
+    if not graph.live:
+        raise RuntimeError(f"the {graph.name} graph did not build")
+
+
+def _proc_cpu_s(pid: int) -> float:
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def expert_rows(tokens: int, seed: int = 0):
+    """Rows, weights and per-expert counts of a real routing of ``tokens`` random hidden states."""
+    import torch
+
+    from engine.model.moe import dispatch
+    from kernels.routing import topk_routing
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, 128, generator=gen)
+    logits = torch.randn(tokens, 8, generator=gen)
+    plan = dispatch(hidden, topk_routing(logits, 2, True))
+    return plan.hidden, plan.weights, plan.expert_counts.tolist()
+
+
+def bench_experts(iters: int) -> list[dict]:
+    import torch
+
+    from actors.config import ExpertPoolConfig
+    from actors.expert_pool import ExpertPool
+    from actors.expert_router import ExpertRouter
+    from engine.checkpoint import CheckpointReader
+    from engine.config import load_model_config
+    from engine.model import ExpertStore
+
+    config = load_model_config(TARGET)
+    local = ExpertStore(CheckpointReader(TARGET), config)
+    rows_out = []
+    for transport in ("compiled_graph", "actor_calls"):
+        pool = ExpertPool(TARGET, 8, ExpertPoolConfig(experts_per_actor=4, transport=transport),
+                          prefix=f"bench-{transport}", detached=False)
+        pool.start()
+        router = ExpertRouter(pool, torch.float32, graph=transport == "compiled_graph")
+        if router.graph is not None:
+            _wait_live(router.graph)
+        for batch in (1, 8):
+            rows, weights, counts = expert_rows(batch * 7)
+            hop = _times_ms(iters, router.run_layer, 0, rows, weights, counts)
+            work = _times_ms(iters, local.forward, 0, rows, torch.tensor(counts), weights)
+            rows_out.append({"hop": f"expert layer ({transport})", "batch": batch, "rows": rows.shape[0],
+                             "median_ms": hop[0], "p99_ms": hop[1], "in_process_ms": work[0],
+                             "overhead_ms": hop[0] - work[0]})
+        if router.graph is not None:
+            pids = [r.handle.info.remote() for r in pool.all_replicas()]
+            import ray
+
+            pids = [i["pid"] for i in ray.get(pids)]
+            rows_out.append({"hop": "idle cpu, graph live", **_idle_cpu(pids)})
+            router.graph.close()
+            rows_out.append({"hop": "idle cpu, graph torn down", **_idle_cpu(pids)})
+        pool.shutdown()
+    return rows_out
+
+
+def _idle_cpu(pids: list[int], seconds: float = 10.0) -> dict:
+    before = [_proc_cpu_s(p) for p in pids]
+    time.sleep(seconds)
+    used = sum(_proc_cpu_s(p) - b for p, b in zip(pids, before))
+    return {"idle_cpu_s_per_10s": used, "actors": len(pids)}
+
+
+def bench_draft(iters: int) -> list[dict]:
+    from actors.draft_server import DraftActorSpec, RemoteDrafter
+    from engine.drafters.base import DraftRequest
+    from engine.drafters.draft_model import DraftModelDrafter
+    from engine.loader import load_model
+
+    prompt = list(range(5, 200))
+    rows_out = []
+    local = DraftModelDrafter(load_model(DRAFT, "float32", "cpu"), 16, None)
+    for batch in (1, 8):
+        reqs = [DraftRequest(f"s{i}", prompt, 6) for i in range(batch)]
+        local.propose(reqs)  # prefill once; then each call re-drafts from the cached prefix
+        work = _times_ms(iters // 3, local.propose, reqs)
+        for transport in ("compiled_graph", "actor_calls"):
+            spec = DraftActorSpec(DRAFT, "float32", "cpu", 16, None, None, f"bench-draft-{transport}-{batch}",
+                                  "specmoe")
+            drafter = RemoteDrafter(spec, graph=transport == "compiled_graph")
+            if drafter.graph is not None:
+                _wait_live(drafter.graph)
+            drafter.propose(reqs)
+            hop = _times_ms(iters // 3, drafter.propose, reqs)
+            rows_out.append({"hop": f"draft proposal ({transport})", "batch": batch, "rows": batch,
+                             "median_ms": hop[0], "p99_ms": hop[1], "in_process_ms": work[0],
+                             "overhead_ms": hop[0] - work[0]})
+            drafter.close()
+    return rows_out
+
+
+def main() -> None:
+    import ray
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--save-result")
+    args = parser.parse_args()
+    import os
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace="specmoe",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        rows = bench_experts(args.iters) + bench_draft(args.iters)
+    finally:
+        ray.shutdown()
+    print_table([r for r in rows if "median_ms" in r], ["hop", "batch", "rows", "median_ms", "p99_ms",
+                                                        "in_process_ms", "overhead_ms"])
+    print_table([r for r in rows if "idle_cpu_s_per_10s" in r], ["hop", "idle_cpu_s_per_10s", "actors"])
+    save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
