@@ -44,6 +44,7 @@ class GraphStats:
         return dict(self.__dict__)
 
 
+
 class ActorGraph:
     """A compiled graph over the actors ``members()`` returns, built and torn down on demand.
 

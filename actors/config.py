@@ -90,6 +90,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             other fields do not apply: the draft actor is part of its verifier's serving unit).
         http: where the HTTP proxy listens.
         request_timeout_s: a request still running after this long is cancelled.
+        verifier_start_timeout_s: longest engine build (weights, draft actor) of a verifier replica.
+        engine_step_timeout_s: a step running longer than this fails the replica's health check
+            (Serve then replaces the replica).
         tracing: OpenTelemetry settings (see :mod:`observability.tracing`); None = environment only.
     """
 
@@ -101,4 +104,6 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ingress: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     request_timeout_s: float = 600.0
+    verifier_start_timeout_s: float = 300.0
+    engine_step_timeout_s: float = 60.0
     tracing: TracingConfig | None = None

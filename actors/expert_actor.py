@@ -8,7 +8,7 @@ import time
 import numpy as np
 import ray
 
-from actors.wire import from_wire, to_wire
+from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 
 
 class ExpertWorker:
@@ -68,38 +68,52 @@ class ExpertWorker:
         import torch
 
         start = time.time()
-        queue_ms = max(0.0, (start - sent_time_s) * 1e3)
-        if self.delay_s:  # artificial straggler, for tests and demos
-            time.sleep(self.delay_s)
         x = from_wire(hidden, self.dtype, self.device)
         w = torch.from_numpy(np.array(weights, copy=True)).to(self.device)
-        out = self.store.forward(layer, x, torch.tensor(counts, dtype=torch.int64), w)
-        result = to_wire(out)  # the host copy for the wire is part of the compute time
-        compute_ms = (time.time() - start) * 1e3
-        self.num_calls += 1
-        timing = {"queue_ms": queue_ms, "compute_ms": compute_ms, "actor_id": self.actor_id,
-                  "start_s": start}
-        self._trace(layer, counts, timing, carrier)
-        return result, timing
+        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, to_wire)
 
-    def forward_graph(self, request: tuple, index: int) -> tuple[np.ndarray, dict] | None:
+    def forward_graph(self, request: tuple, index: int) -> tuple[bytes, dict] | None:
         """This actor's part of one compiled-graph execution (the ``compiled_graph`` transport).
 
         Args:
             request: ``(layer, calls, sent_time_s)`` shared by every actor of the graph; ``calls[index]``
                 is None (nothing for this actor this layer) or ``(counts, hidden, weights, carrier)``
-                as for :meth:`forward`. ``layer`` None is the warm-up execution after compiling.
+                with ``hidden`` the bytes of ``(sum(counts), hidden_size)`` rows and ``weights`` the
+                bytes of ``(sum(counts),)`` float32 (:func:`actors.wire.to_bytes`). ``layer`` None is
+                the warm-up execution after compiling.
             index: this actor's position in the graph (bound at compile time).
 
         Returns:
-            What :meth:`forward` returns, or None when there was nothing to do.
+            The output rows as bytes and the timings of :meth:`forward`, or None when there was
+            nothing to do.
         """
+        import torch
+
+        start = time.time()
         layer, calls, sent_time_s = request
         call = calls[index] if layer is not None else None
         if call is None:
             return None
         counts, hidden, weights, carrier = call
-        return self.forward(layer, counts, hidden, weights, sent_time_s, carrier)
+        rows = sum(counts)
+        x = from_bytes(hidden, (rows, self.store.config.hidden_size), self.dtype, self.device)
+        w = from_bytes(weights, (rows,), torch.float32, self.device)
+        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, to_bytes)
+
+    def _compute(self, layer: int, counts: list[int], x, w, start: float, sent_time_s: float,
+                 carrier: dict | None, encode) -> tuple:
+        import torch
+
+        queue_ms = max(0.0, (start - sent_time_s) * 1e3)
+        if self.delay_s:  # artificial straggler, for tests and demos
+            time.sleep(self.delay_s)
+        out = self.store.forward(layer, x, torch.tensor(counts, dtype=torch.int64), w)
+        result = encode(out)  # the host copy for the wire is part of the compute time
+        compute_ms = (time.time() - start) * 1e3
+        self.num_calls += 1
+        timing = {"queue_ms": queue_ms, "compute_ms": compute_ms, "actor_id": self.actor_id, "start_s": start}
+        self._trace(layer, counts, timing, carrier)
+        return result, timing
 
     def _trace(self, layer: int, counts: list[int], timing: dict, carrier: dict | None) -> None:
         """The actor-side span of this call: a child of the router's call span."""

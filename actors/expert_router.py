@@ -25,7 +25,7 @@ import torch
 
 from actors.compiled_graph import ActorGraph
 from actors.expert_pool import ExpertPool, Replica
-from actors.wire import from_wire, to_wire
+from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
 
@@ -81,11 +81,11 @@ class NullTelemetry:
 
 @dataclass
 class _Call:
-    """One group's slice of a layer: its record and wire payload."""
+    """One group's slice of a layer: its record and rows (encoded per transport when sent)."""
 
     record: CallRecord
-    hidden: Any  # numpy, wire format
-    weights: Any  # numpy float32
+    hidden: torch.Tensor  # (rows, hidden_size)
+    weights: torch.Tensor  # (rows,) float32, on the host
 
 
 class ExpertRouter:
@@ -135,13 +135,12 @@ class ExpertRouter:
         """
         out = torch.empty_like(rows)
         calls, slices, start = [], [], 0
-        w = weights.detach().to("cpu", torch.float32).numpy()  # explicit host copy: the wire boundary
+        w = weights.detach().to("cpu", torch.float32)  # explicit host copy: the wire boundary
         for g, experts in enumerate(self.pool.groups):
             counts = [expert_counts[e] for e in experts]
             n = sum(counts)
             if n:
-                calls.append(_Call(CallRecord(layer, g, experts, counts, n), to_wire(rows[start:start + n]),
-                                   w[start:start + n]))
+                calls.append(_Call(CallRecord(layer, g, experts, counts, n), rows[start:start + n], w[start:start + n]))
                 slices.append((start, start + n))
             start += n
         records = [c.record for c in calls]
@@ -160,7 +159,7 @@ class ExpertRouter:
         finally:
             self.telemetry.end_dispatch(ctx, layer, expert_counts, records, error)
         for (a, b), result in zip(slices, results):
-            out[a:b] = from_wire(result, rows.dtype, rows.device)
+            out[a:b] = result
         return out
 
     def _via_graph(self, layer: int, calls: list[_Call], ctx: Any) -> list | None:
@@ -174,7 +173,8 @@ class ExpertRouter:
         per_group: list = [None] * len(self.pool.groups)
         for c in calls:
             c.record.sent_s, c.record.attempts, c.record.transport = sent_s, 1, "compiled_graph"
-            per_group[c.record.group] = (c.record.counts, c.hidden, c.weights, self.telemetry.call_carrier(ctx, c.record))
+            per_group[c.record.group] = (c.record.counts, to_bytes(c.hidden), to_bytes(c.weights),
+                                         self.telemetry.call_carrier(ctx, c.record))
         replicas = self.graph.members
         results = self.graph.execute((layer, per_group, sent_s))
         if results is None:
@@ -186,7 +186,7 @@ class ExpertRouter:
         for c in calls:
             result, timing = results[c.record.group]
             self._done(c.record, replicas[c.record.group], timing)
-            out.append(result)
+            out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
 
     def _via_actor_calls(self, layer: int, calls: list[_Call], ctx: Any) -> list:
@@ -205,7 +205,8 @@ class ExpertRouter:
                 replica.outstanding_rows += rec.rows
                 rec.sent_s = time.time()
                 carrier = self.telemetry.call_carrier(ctx, rec)
-                ref = replica.handle.forward.remote(layer, rec.counts, c.hidden, c.weights, rec.sent_s, carrier)
+                ref = replica.handle.forward.remote(layer, rec.counts, to_wire(c.hidden), c.weights.numpy(),
+                                                    rec.sent_s, carrier)
                 inflight[ref] = (c, replica)
             todo = self._collect(inflight, results)
         return [results[c.record.group] for c in calls]
@@ -228,7 +229,7 @@ class ExpertRouter:
                 retry.append(c)
                 continue
             self._done(c.record, replica, timing)
-            results[c.record.group] = result
+            results[c.record.group] = from_wire(result, c.hidden.dtype, c.hidden.device)
         for ref in pending:  # timed out
             c, replica = inflight[ref]
             replica.outstanding_rows -= c.record.rows

@@ -1,29 +1,27 @@
 """Verifier deployment: the target's non-expert weights, its KV cache, and the engine loop.
 
-A shim over :class:`engine.engine.LLMEngine`: the MoE layers reach expert actors through
-:class:`ExpertRouter` (a compiled graph over this replica's own expert actors, or actor calls), the
-drafter is the draft deployment (:class:`RemoteDrafter`). Engine steps run in one worker thread,
-which also makes every hop (expert dispatch, draft call) itself; the event loop only moves
-requests in and outputs out, so it never blocks and never carries a hop. Requests are added and aborted between steps (never while a step runs), and a request's
-stream lives on this replica for the request's whole life.
+A shim over an injected engine (Ray Serve LLM's ``LLMServer`` shape): by default an
+:class:`engine.engine.LLMEngine` whose MoE layers reach this replica's expert actors through
+:class:`ExpertRouter` (a compiled graph, or actor calls) and whose drafter is this replica's draft
+actor (:class:`RemoteDrafter`). The request loop is :class:`actors.engine_loop.EngineLoop`
+(Ray-free, unit-tested alone): engine steps run in one worker thread, which also makes every hop
+itself, so the event loop never blocks and never carries a hop. A request's stream lives on this
+replica for the request's whole life.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
 
 from actors.config import ServeConfig
-from actors.stream_items import error_item, step_item
+from actors.engine_loop import EngineLoop
 from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +31,11 @@ class VerifierServer:
 
     Args:
         config: :class:`ServeConfig` as builtins (Serve passes plain data between processes).
+        engine_factory: builds the engine on the engine thread (default: the target with this
+            replica's expert actors and draft actor, :meth:`build_engine`).
     """
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, engine_factory: Callable[[], LLMEngine] | None = None) -> None:
         from actors.telemetry import VerifierTelemetry
         from observability import EngineMetrics, StragglerDetector, setup_tracing
 
@@ -47,16 +47,15 @@ class VerifierServer:
         self.stragglers = StragglerDetector(self.config.experts.straggler_multiple,
                                             self.config.experts.straggler_floor_ms)
         self.engine: LLMEngine | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._pending: list[tuple] = []
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
+        self.loop: EngineLoop | None = None
+        self.router = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._aux_executor = ThreadPoolExecutor(1, thread_name_prefix="verifier-aux")  # never the engine's
-        self.router = None
-        self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
-        self._build_pool()
+        self._engine_factory = engine_factory or self.build_engine
+        self.pool = None
+        if engine_factory is None:
+            self._build_pool()
 
     def _build_pool(self) -> None:
         from actors.expert_pool import ExpertPool
@@ -75,18 +74,24 @@ class VerifierServer:
             self.pool.start()
 
     async def _ensure_started(self) -> None:
-        """Build the engine on the engine thread, once (the first request or stats call)."""
-        if self.engine is not None:
+        """Build the engine on the engine thread, once (the first request, stats or health call),
+        within ``verifier_start_timeout_s``."""
+        if self.loop is not None:
             return
         async with self._start_lock:
-            if self.engine is not None:
+            if self.loop is not None:
                 return
             loop = asyncio.get_running_loop()
-            self.engine = await loop.run_in_executor(self._executor, self._build_engine)
-            self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.create_task(self._run())
+            build = loop.run_in_executor(self._executor, self._engine_factory)
+            self.engine = await asyncio.wait_for(build, self.config.verifier_start_timeout_s)
+            self.loop = EngineLoop(self.engine, self._executor, self.config.engine_step_timeout_s,
+                                   on_change=self._sync_metrics, carriers=self.telemetry.carriers)
 
-    def _build_engine(self) -> LLMEngine:
+    def _sync_metrics(self) -> None:
+        self.metrics.sync_from_engine(self.engine.get_metrics())
+
+    def build_engine(self) -> LLMEngine:
+        """The default engine: target with expert actors, drafter per ``engine.speculative_method``."""
         from actors.draft_server import DraftActorSpec, RemoteDrafter
         from actors.expert_router import ExpertRouter
         from actors.telemetry import RouterTelemetry
@@ -115,78 +120,12 @@ class VerifierServer:
         max_len = e.max_model_len or target.config.max_position_embeddings
         return LLMEngine(target, drafter, e.num_speculative_tokens, e.scheduler, max_len, self.telemetry)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self._apply_pending()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception:  # engine.step fails sequences itself; this is a last resort
-                log.exception("engine step crashed")
-                await asyncio.sleep(0.01)
-                continue
-            for out in outputs:
-                queue = self._streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(step_item(out))
-            self.metrics.sync_from_engine(self.engine.get_metrics())
-
-    def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        for op, *args in pending:
-            try:
-                if op == "add":
-                    self.engine.add_request(*args)
-                else:
-                    self.engine.abort_request(*args)
-            except Exception as e:  # e.g. the queue filled up since validation
-                queue = self._streams.get(args[0])
-                if queue is not None:
-                    queue.put_nowait(error_item(e))
-        self.metrics.sync_from_engine(self.engine.get_metrics())  # gauges move on add/abort too
-
     async def generate(self, prompt_token_ids: list[int], params: dict, prompt: str | None = None,
                        request_id: str | None = None, carrier: dict | None = None) -> AsyncIterator[dict]:
-        """Stream engine outputs for one request.
-
-        The first item is ``{"type": "accepted"}`` or an error item (HTTP status + message); then
-        one item per engine step that advanced the request, the last one finished. Closing the
-        stream early (client gone) aborts the request and frees its KV slots within one step.
-        """
+        """Stream engine outputs for one request (see :meth:`EngineLoop.generate`)."""
         await self._ensure_started()
-        rid = request_id or f"req-{next(self._ids)}"
-        try:
-            sp = msgspec.convert(params, SamplingParams)
-            pending_seqs = sum(a[2].n for op, *a in self._pending if op == "add")
-            self.engine.check_request(rid, prompt_token_ids, sp, pending_seqs)
-        except (ValueError, msgspec.ValidationError) as e:
-            yield error_item(e)
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = queue
-        if carrier:
-            self.telemetry.carriers[rid] = carrier
-        self._pending.append(("add", rid, prompt_token_ids, sp, prompt, time.monotonic()))
-        self._wakeup.set()
-        finished = False
-        try:
-            yield {"type": "accepted", "request_id": rid}
-            while not finished:
-                item = await queue.get()
-                finished = item.get("finished", True)
-                yield item
-        finally:
-            self._streams.pop(rid, None)
-            self.telemetry.carriers.pop(rid, None)
-            if not finished:
-                self._pending.append(("abort", rid))
-                self._wakeup.set()
+        async for item in self.loop.generate(prompt_token_ids, params, prompt, request_id, carrier):
+            yield item
 
     async def stats(self) -> dict:
         """Engine totals and pool state (tests, /health, benchmarks)."""
@@ -194,7 +133,7 @@ class VerifierServer:
         m = self.engine.get_metrics()
         m["expert_retries"] = self.router.num_retries if self.router else 0
         drafter_graph = getattr(self.engine.drafter, "graph", None)
-        m["draft_transport"] = drafter_graph.stats.as_dict() if drafter_graph else {}
+        m["draft_transport"] = {"live": drafter_graph.live, **drafter_graph.stats.as_dict()} if drafter_graph else {}
         m["transport"] = {
             "kind": self.config.experts.transport,
             "graph_layers": self.router.num_graph_layers if self.router else 0,
@@ -220,15 +159,17 @@ class VerifierServer:
 
     def __del__(self) -> None:
         # Serve calls this on replica shutdown: leave no compiled graph polling on the actors.
-        for part in (getattr(self, "router", None), getattr(self.engine, "drafter", None) if getattr(self, "engine", None) else None):
+        engine = getattr(self, "engine", None)
+        for part in (getattr(self, "router", None), getattr(engine, "drafter", None)):
             close = getattr(part, "close", None)
             if close is not None:
                 close()
 
     async def check_health(self) -> None:
-        """Serve's health check: the engine loop must be alive once started."""
-        if self._loop_task is not None and self._loop_task.done():
-            raise RuntimeError("engine loop stopped")
+        """Serve's health check: the engine builds within its bound, its loop is alive and no step
+        has hung (see :meth:`EngineLoop.check_health`)."""
+        await self._ensure_started()
+        self.loop.check_health()
 
 
 def _replica_tag() -> str:

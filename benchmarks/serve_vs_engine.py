@@ -5,15 +5,21 @@
 Starts the embedded app (configs/embedded.yaml, on a free port) and, in the same run, the
 in-process engine on the same checkpoints. Greedy, EOS ignored, so both emit the same tokens.
 Concurrency 1 and 8; speculation on (k from the config) and off (per-request k = 0). The ratio
-HTTP / in-process is the cost of the distributed path (per-layer actor round trips dominate).
+HTTP / in-process is the cost of the distributed path. Before timing, warm-up requests run until
+the server's compiled graphs are live (they build in the background, ~2 s, after an idle
+teardown). At concurrency 1 the HTTP run streams, giving TPOT p50 (``(e2e - TTFT) / (n - 1)`` per
+request) against the in-process engine's time per output token.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -23,25 +29,57 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, Timer, load_prompts, machine, print_table, save_json  # noqa: E402
 
 
-async def http_run(url: str, model: str, prompts: list[str], concurrency: int, k: int, max_tokens: int) -> dict:
+async def http_run(url: str, model: str, prompts: list[str], concurrency: int, k: int, max_tokens: int,
+                   handle=None, stream: bool = False) -> dict:
+    """Output tokens/s over ``prompts`` at ``concurrency``; with ``stream``, also TPOT p50 in ms."""
     sem = asyncio.Semaphore(concurrency)
-    tokens = 0
+    tokens, tpots = 0, []
 
     async def one(client: httpx.AsyncClient, prompt: str) -> None:
         nonlocal tokens
         async with sem:
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "num_speculative_tokens": k}
-            r = await client.post(f"{url}/v1/completions", json=body)
-            r.raise_for_status()
-            tokens += r.json()["usage"]["completion_tokens"]
+            if not stream:
+                r = await client.post(f"{url}/v1/completions", json=body)
+                r.raise_for_status()
+                tokens += r.json()["usage"]["completion_tokens"]
+                return
+            body.update(stream=True, stream_options={"include_usage": True})
+            first, n = None, 0
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0]["text"] and first is None:
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+            tokens += n
+            if first is not None and n > 1:
+                tpots.append((time.perf_counter() - first) / (n - 1) * 1e3)
 
     async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*[one(client, p) for p in prompts[:concurrency]])  # warm-up
-        tokens = 0
+        for _ in range(20):  # warm-up until the compiled graphs are live (or 20 rounds)
+            await asyncio.gather(*[one(client, p) for p in prompts[:concurrency]])
+            if handle is None or await _graphs_live(handle):
+                break
+        tokens, tpots = 0, []
         with Timer() as t:
             await asyncio.gather(*[one(client, p) for p in prompts])
-    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+    out = {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+    if tpots:
+        out["tpot_p50_ms"] = statistics.median(tpots)
+    return out
+
+
+async def _graphs_live(handle) -> bool:
+    stats = await handle.stats.remote()
+    if stats["transport"]["kind"] != "compiled_graph":
+        return True
+    return stats["transport"]["graph_live"] and stats["draft_transport"].get("live", True)
 
 
 def engine_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: int) -> dict:
@@ -76,19 +114,29 @@ def main() -> None:
         config.http = HttpConfig(port=s.getsockname()[1])
     prompts = [r["prompt"] for r in load_prompts(args.num_prompts)]
     url = serve_app.start(config, base=ROOT)
+    from ray import serve
+
+    handle = serve.get_deployment_handle("verifier", app_name=serve_app.APP_NAME)
     rows = []
     try:
         for conc in [int(c) for c in args.concurrency.split(",")]:
             for k in (config.engine.num_speculative_tokens, 0):
-                h = asyncio.run(http_run(url, config.model_name, prompts, conc, k, args.max_tokens))
+                h = asyncio.run(http_run(url, config.model_name, prompts, conc, k, args.max_tokens, handle,
+                                         stream=conc == 1))
+                # Let the server's compiled graphs reach their idle teardown: their polling readers
+                # would otherwise take cores from the in-process run.
+                time.sleep(config.experts.graph_idle_teardown_s + 1.0)
                 e = engine_run(config, prompts, conc, k, args.max_tokens)
                 rows.append({"concurrency": conc, "k": k, "http_tok_per_s": h["tok_per_s"],
                              "engine_tok_per_s": e["tok_per_s"], "ratio": h["tok_per_s"] / e["tok_per_s"]})
+                if "tpot_p50_ms" in h:  # in-process time per output token at this concurrency
+                    rows[-1].update(http_tpot_p50_ms=h["tpot_p50_ms"], engine_ms_per_token=1e3 / e["tok_per_s"],
+                                    tpot_over_engine=h["tpot_p50_ms"] * e["tok_per_s"] / 1e3)
                 print_table(rows[-1:], list(rows[-1]))
     finally:
         serve_app.stop()
     print()
-    print_table(rows, list(rows[0]))
+    print_table(rows, list(dict.fromkeys(c for r in rows for c in r)))  # every column any row has
     save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows})
 
 

@@ -6,7 +6,7 @@ On local Ray with the bundled target: one MoE layer's dispatch through :class:`E
 (compiled graph vs actor calls) and the same experts run in-process; one draft proposal through
 :class:`RemoteDrafter` (compiled graph vs actor call) and the draft model in-process. Row counts
 are the decode shapes of the embedded config: batch 1 and 8 at k = 6 (7 tokens per sequence,
-top-2 routing). Also the CPU time the actors burn in 10 idle seconds with a graph live and after
+top-2 routing), over ``--experts-per-actor`` experts per actor. Also the CPU time the actors burn in 10 idle seconds with a graph live and after
 its idle teardown. Milliseconds; overhead = hop - in-process work.
 """
 
@@ -69,7 +69,7 @@ def expert_rows(tokens: int, seed: int = 0):
     return plan.hidden, plan.weights, plan.expert_counts.tolist()
 
 
-def bench_experts(iters: int) -> list[dict]:
+def bench_experts(iters: int, experts_per_actor: int) -> list[dict]:
     import torch
 
     from actors.config import ExpertPoolConfig
@@ -83,7 +83,7 @@ def bench_experts(iters: int) -> list[dict]:
     local = ExpertStore(CheckpointReader(TARGET), config)
     rows_out = []
     for transport in ("compiled_graph", "actor_calls"):
-        pool = ExpertPool(TARGET, 8, ExpertPoolConfig(experts_per_actor=4, transport=transport),
+        pool = ExpertPool(TARGET, 8, ExpertPoolConfig(experts_per_actor=experts_per_actor, transport=transport),
                           prefix=f"bench-{transport}", detached=False)
         pool.start()
         router = ExpertRouter(pool, torch.float32, graph=transport == "compiled_graph")
@@ -148,6 +148,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--experts-per-actor", type=int, default=8, help="8: one actor (the embedded default)")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     import os
@@ -158,7 +159,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     try:
-        rows = bench_experts(args.iters) + bench_draft(args.iters)
+        rows = bench_experts(args.iters, args.experts_per_actor) + bench_draft(args.iters)
     finally:
         ray.shutdown()
     print_table([r for r in rows if "median_ms" in r], ["hop", "batch", "rows", "median_ms", "p99_ms",

@@ -1,0 +1,143 @@
+"""The verifier's request loop without Ray: streams equal the offline API, aborts free slots,
+bad input answers 400, and a hung engine thread fails the health check."""
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import pytest
+
+from actors.engine_loop import EngineHung, EngineLoop
+from engine import LLM, SamplingParams
+from engine.args import EngineArgs
+from engine.llm import build_engine
+from tests.actors.conftest import DRAFT, TARGET
+
+PARAMS = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def expected_texts():
+    prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
+    llm = LLM(TARGET, draft_model=DRAFT, num_speculative_tokens=3)
+    outs = llm.generate(prompts, msgspec.convert(PARAMS, SamplingParams))
+    tokenizer = llm.tokenizer
+    return [(tokenizer.encode(p).ids, o.outputs[0].text) for p, o in zip(prompts, outs)]
+
+
+def _new_loop(engine, **kw) -> EngineLoop:
+    return EngineLoop(engine, ThreadPoolExecutor(1), **kw)
+
+
+async def _collect(loop: EngineLoop, ids: list[int], params: dict = PARAMS) -> tuple[list[dict], str]:
+    items = [item async for item in loop.generate(ids, params)]
+    text = "".join(c["new_text"] for item in items[1:] if item["type"] == "step" for c in item["choices"])
+    return items, text
+
+
+def test_concurrent_streams_equal_the_offline_api(expected_texts):
+    engine = build_engine(EngineArgs(model=TARGET, draft_model=DRAFT, num_speculative_tokens=3))
+    changes = []
+
+    async def run():
+        loop = _new_loop(engine, on_change=lambda: changes.append(1))
+        return await asyncio.gather(*[_collect(loop, ids) for ids, _ in expected_texts])
+
+    results = asyncio.run(run())
+    for (items, text), (_, expected) in zip(results, expected_texts):
+        assert items[0]["type"] == "accepted"
+        assert items[-1]["finished"] and items[-1]["usage"]["completion_tokens"] == 24
+        assert text == expected
+    assert changes and not engine.has_unfinished_requests() and engine.kv.num_used == 0
+
+
+def test_closing_a_stream_aborts_the_request_and_bad_input_answers_400(expected_texts):
+    engine = build_engine(EngineArgs(model=TARGET))
+
+    async def run():
+        loop = _new_loop(engine)
+        stream = loop.generate(expected_texts[0][0], {**PARAMS, "max_tokens": 200})
+        assert (await anext(stream))["type"] == "accepted"
+        assert (await anext(stream))["type"] == "step"
+        assert engine.kv.num_used > 0
+        await stream.aclose()  # the client went away
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        bad = [item async for item in loop.generate([10**6], PARAMS)]
+        return bad
+
+    bad = asyncio.run(run())
+    assert engine.kv.num_used == 0 and engine.finished_by_reason.get("abort") == 1
+    assert bad == [{"type": "error", "status": 400, "message": bad[0]["message"], "finished": True}]
+    assert "outside the vocabulary" in bad[0]["message"]
+
+
+class _HangingEngine:
+    """Accepts one request; its step blocks until released (a hung expert call, say)."""
+
+    def __init__(self) -> None:
+        self.release, self.entered = threading.Event(), threading.Event()
+        self.unfinished = False
+
+    def check_request(self, *args) -> None:
+        return None
+
+    def add_request(self, *args) -> None:
+        self.unfinished = True
+
+    def abort_request(self, request_id: str) -> bool:
+        self.unfinished = False
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
+    def step(self) -> list:
+        self.entered.set()
+        self.release.wait(10)
+        self.unfinished = False
+        return []
+
+
+def test_a_hung_engine_step_fails_the_health_check():
+    engine = _HangingEngine()
+
+    async def run():
+        loop = _new_loop(engine, step_timeout_s=0.2)
+        stream = loop.generate([1, 2, 3], PARAMS)
+        assert (await anext(stream))["type"] == "accepted"
+        loop.check_health()  # a step that just started is healthy
+        while not engine.entered.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        with pytest.raises(EngineHung, match="engine step running"):
+            loop.check_health()
+        engine.release.set()
+        deadline = time.monotonic() + 5
+        while loop._step_started is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        loop.check_health()  # healthy again once the step returns
+        await stream.aclose()
+
+    asyncio.run(run())
+
+
+def test_transport_config_errors_name_the_field(tmp_path):
+    from actors.config import ServeConfig
+    from engine.errors import ConfigError
+    from engine.yaml_config import load_yaml
+
+    cfg = tmp_path / "serve.yaml"
+    base = "model_name: m\nengine:\n  model: /x\nexperts:\n"
+    cfg.write_text(base + "  transport: grpc\n")
+    with pytest.raises(ConfigError, match=r"\$\.experts\.transport"):
+        load_yaml(cfg, ServeConfig)
+    cfg.write_text(base + "  graph_idle_teardown_s: 0\n")
+    with pytest.raises(ConfigError, match=r"experts\.graph_idle_teardown_s"):
+        load_yaml(cfg, ServeConfig)
+    cfg.write_text(base + "  transport: actor_calls\n")
+    assert load_yaml(cfg, ServeConfig).experts.transport == "actor_calls"
