@@ -5,7 +5,9 @@
 Starts the embedded app (configs/embedded.yaml, on a free port) and, in the same run, the
 in-process engine on the same checkpoints. Greedy, EOS ignored, so both emit the same tokens.
 Concurrency 1 and 8; speculation on (k from the config) and off (per-request k = 0). The ratio
-HTTP / in-process is the cost of the distributed path. Before timing, warm-up requests run until
+HTTP / in-process is the cost of the distributed path; a third run drives the serving unit (expert
+and draft actors over the configured transport) from this process without Serve or HTTP
+(``unit_tok_per_s``), which splits that cost into hops and Serve/ingress. Before timing, warm-up requests run until
 the server's compiled graphs are live (they build in the background, ~2 s, after an idle
 teardown). At concurrency 1 the HTTP run streams, giving TPOT p50 (``(e2e - TTFT) / (n - 1)`` per
 request) against the in-process engine's time per output token.
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -96,6 +99,61 @@ def engine_run(config, prompts: list[str], concurrency: int, k: int, max_tokens:
     return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
 
 
+def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: int) -> dict:
+    """The serving unit without Serve or HTTP: this process drives an engine whose experts and
+    drafter are actors reached by the configured transport (what a verifier replica runs), so
+    HTTP / unit is the cost of Serve and the ingress, and unit / in-process the cost of the hops."""
+    import torch
+
+    from actors.draft_server import DraftActorSpec, RemoteDrafter
+    from actors.expert_pool import ExpertPool
+    from actors.expert_router import ExpertRouter
+    from engine import SamplingParams
+    from engine.drafters.base import NoneDrafter
+    from engine.engine import LLMEngine
+    from engine.loader import load_model
+    from engine.scheduler import SchedulerConfig
+
+    e, x = config.engine, config.experts
+    graph = x.transport == "compiled_graph"
+    pool = ExpertPool(e.model, 8, x, e.dtype, e.device, prefix=f"bench-unit-{concurrency}-{k}", detached=False)
+    pool.start()
+    router = ExpertRouter(pool, torch.float32, graph=graph)
+    drafter = RemoteDrafter(DraftActorSpec(e.draft_model, e.dtype, e.device, concurrency, None, None,
+                                           f"bench-unit-draft-{concurrency}-{k}", x.namespace), graph=graph) if k else None
+    target = load_model(e.model, e.dtype, e.device, experts=router)
+    sched = SchedulerConfig(max_num_seqs=concurrency, max_num_batched_tokens=16384, max_waiting=1 << 20)
+    engine = LLMEngine(target, drafter or NoneDrafter(), k, sched, target.config.max_position_embeddings)
+    ids = [target.tokenizer.encode(p).ids for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def run(batch: list[list[int]], tag: str) -> int:
+        for i, prompt_ids in enumerate(batch):
+            engine.add_request(f"{tag}-{i}", prompt_ids, params)
+        n = 0
+        while engine.has_unfinished_requests():
+            n += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        return n
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a verifier replica: more threads fight the actors' pollers
+    try:
+        for w in range(20):  # warm-up until the graphs are live
+            run(ids[:concurrency], f"warm{w}")
+            if not graph or (router.graph.live and (drafter is None or drafter.graph.live)):
+                break
+        with Timer() as t:
+            tokens = run(ids, "run")
+    finally:
+        torch.set_num_threads(threads)
+        router.close()
+        if drafter is not None:
+            drafter.close()
+            ray.kill(drafter.member.handle)
+        pool.shutdown()
+    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+
+
 def main() -> None:
     import serve_app
     from actors.config import HttpConfig, ServeConfig
@@ -126,9 +184,12 @@ def main() -> None:
                 # Let the server's compiled graphs reach their idle teardown: their polling readers
                 # would otherwise take cores from the in-process run.
                 time.sleep(config.experts.graph_idle_teardown_s + 1.0)
+                u = unit_run(config, prompts, conc, k, args.max_tokens)
+                time.sleep(config.experts.graph_idle_teardown_s + 1.0)
                 e = engine_run(config, prompts, conc, k, args.max_tokens)
                 rows.append({"concurrency": conc, "k": k, "http_tok_per_s": h["tok_per_s"],
-                             "engine_tok_per_s": e["tok_per_s"], "ratio": h["tok_per_s"] / e["tok_per_s"]})
+                             "unit_tok_per_s": u["tok_per_s"], "engine_tok_per_s": e["tok_per_s"],
+                             "ratio": h["tok_per_s"] / e["tok_per_s"], "unit_ratio": u["tok_per_s"] / e["tok_per_s"]})
                 if "tpot_p50_ms" in h:  # in-process time per output token at this concurrency
                     rows[-1].update(http_tpot_p50_ms=h["tpot_p50_ms"], engine_ms_per_token=1e3 / e["tok_per_s"],
                                     tpot_over_engine=h["tpot_p50_ms"] * e["tok_per_s"] / 1e3)

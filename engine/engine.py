@@ -25,11 +25,12 @@ from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats, TokenLogprob
-from engine.sampling import compute_probs, draw_uniforms, make_generator, top_logprobs
+from engine.sampling import make_generator, top_logprobs
 from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
-from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from engine.verification import build_verify_batch, verify
+from kernels.rejection import PLACEHOLDER_TOKEN_ID
 
 log = logging.getLogger(__name__)
 
@@ -229,49 +230,20 @@ class LLMEngine:
         with self.observer.phase(PHASE_TARGET):
             logits = self.target.model.forward(batch, self.kv)  # (sum(num_logits), vocab)
         with self.observer.phase(PHASE_VERIFY):
+            batch = build_verify_batch(logits, num_logits, draft_lists, [drafts.get(s.seq_id) for s in seqs],
+                                       [s.generator for s in seqs], [s.params for s in seqs])
+            out_ids, num_acc = verify(batch)
             rows = torch.split(logits, num_logits)
-            out_ids, num_acc = self._rejection_sample(seqs, draft_lists, rows, drafts)
             self._emit_all(seqs, starts, new_tokens, draft_lists, rows, out_ids, num_acc)
 
     def _emit_all(self, seqs, starts, new_tokens, draft_lists, rows, out_ids, num_acc) -> None:
         """Emit each sequence's accepted run and roll its KV cache back to what it kept."""
         for b, seq in enumerate(seqs):
-            emitted = out_ids[b, : num_acc[b] + 1].tolist()
+            emitted = out_ids[b]
             kept_cache = starts[b] + len(new_tokens[b]) - len(draft_lists[b]) + num_acc[b]
             self.kv.truncate(seq.slot, kept_cache)
             seq.num_cached = kept_cache
             self._emit(seq, emitted, rows[b], len(draft_lists[b]), num_acc[b])
-
-    def _rejection_sample(self, seqs, draft_lists, rows, drafts) -> tuple[torch.Tensor, list[int]]:
-        """Batch every sequence through the rejection sampler (prefills are k = 0 rows)."""
-        num_seqs, max_k = len(seqs), max(len(d) for d in draft_lists)
-        vocab = rows[0].shape[-1]
-        draft_ids = torch.zeros(num_seqs, max_k, dtype=torch.int64)
-        num_draft = torch.tensor([len(d) for d in draft_lists], dtype=torch.int64)
-        target_logits = torch.zeros(num_seqs, max_k + 1, vocab)
-        draft_probs = torch.zeros(num_seqs, max_k, vocab)
-        accept_u = torch.zeros(num_seqs, max_k)
-        sample_u = torch.zeros(num_seqs, max_k + 1)
-        for b, (seq, d, r) in enumerate(zip(seqs, draft_lists, rows)):
-            draft_ids[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-            target_logits[b, : r.shape[0]] = r
-            proposal = drafts.get(seq.seq_id)
-            if d and proposal.probs is not None:
-                draft_probs[b, : len(d)] = proposal.probs
-            elif d:  # deterministic drafter: q is one-hot at the proposed token
-                draft_probs[b, torch.arange(len(d)), draft_ids[b, : len(d)]] = 1.0
-            if seq.generator is not None:  # draws depend only on this sequence's own history
-                u = draw_uniforms(seq.generator, 2 * len(d) + 1)
-                accept_u[b, : len(d)], sample_u[b, : len(d) + 1] = u[: len(d)], u[len(d):]
-        params = [s.params for s in seqs]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        target_probs = compute_probs(target_logits, temperature, top_k, top_p)
-        greedy = temperature == 0
-        out_ids, num_acc = rejection_sample(draft_ids, num_draft, None if greedy.all() else draft_probs,
-                                            target_probs, accept_u, sample_u, greedy)
-        return out_ids, num_acc.tolist()
 
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor, num_drafted: int,
               num_accepted: int) -> None:
@@ -284,8 +256,9 @@ class LLMEngine:
         comp.new_text = result.text_delta
         comp.text = seq.state.text
         if comp.logprobs is not None and kept:
-            tok_lp, top_ids, top_lps = top_logprobs(logit_rows[:kept], torch.tensor(tokens[:kept]),
-                                                    seq.params.logprobs)
+            tok_lp, top_ids, top_lps = top_logprobs(logit_rows[:kept], torch.tensor(tokens[:kept],
+                                                    device=logit_rows.device), seq.params.logprobs)
+            tok_lp, top_ids, top_lps = tok_lp.cpu(), top_ids.cpu(), top_lps.cpu()  # small, explicit
             for i in range(kept):
                 top = dict(zip(top_ids[i].tolist(), top_lps[i].tolist()))
                 comp.logprobs.append(TokenLogprob(tokens[i], float(tok_lp[i]), top))

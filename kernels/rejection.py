@@ -120,9 +120,7 @@ def rejection_sample_reference(
     target_argmax = target_probs.argmax(dim=-1)  # (B, K + 1)
     accept = torch.where(greedy[:, None], safe_draft == target_argmax[:, :k], _sampled_accept(
         safe_draft, draft_probs, target_probs[:, :k], accept_uniforms, greedy))
-    accept &= in_draft
-    # Drafts are accepted as a prefix: the count is the length of the leading run of True.
-    num_accepted = torch.cumprod(accept.to(torch.int64), dim=-1).sum(dim=-1)
+    num_accepted = _accepted_prefix(accept & in_draft)
 
     # Position of the emitted non-draft token: the first rejection, or n for the bonus token.
     stop = num_accepted
@@ -136,12 +134,48 @@ def rejection_sample_reference(
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_stop)
     sampled = inverse_cdf_sample(residual, sample_uniforms[rows, stop])
     final_token = torch.where(greedy, target_argmax[rows, stop], sampled)
+    return _assemble(draft_token_ids, num_accepted, final_token), num_accepted
 
-    output = torch.full((batch, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    output[:, :k] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids,
-                                PLACEHOLDER_TOKEN_ID)
-    output[rows, stop] = final_token
-    return output, num_accepted
+
+def greedy_verify(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                  target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy rule of :func:`rejection_sample_reference` alone, from the target argmax.
+
+    For an all-greedy batch nothing of vocabulary size is needed beyond the target logits' argmax:
+    no probabilities, no draft distributions, no uniforms.
+
+    Args:
+        draft_token_ids: ``(B, K)`` int64; num_draft_tokens: ``(B,)`` int64 in ``[0, K]``.
+        target_argmax: ``(B, K + 1)`` int64, ``argmax`` of the target logits (ties to the lower id).
+
+    Returns:
+        ``output_token_ids`` ``(B, K + 1)`` and ``num_accepted`` ``(B,)``, exactly as the reference
+        returns for greedy rows.
+    """
+    batch, k = draft_token_ids.shape
+    if tuple(target_argmax.shape) != (batch, k + 1) or tuple(num_draft_tokens.shape) != (batch,):
+        raise ValueError(f"target_argmax must be ({batch}, {k + 1}) and num_draft_tokens ({batch},), got "
+                         f"{tuple(target_argmax.shape)} and {tuple(num_draft_tokens.shape)}")
+    positions = torch.arange(k, device=draft_token_ids.device)
+    in_draft = positions[None, :] < num_draft_tokens[:, None]
+    num_accepted = _accepted_prefix((draft_token_ids == target_argmax[:, :k]) & in_draft)
+    rows = torch.arange(batch, device=draft_token_ids.device)
+    return _assemble(draft_token_ids, num_accepted, target_argmax[rows, num_accepted]), num_accepted
+
+
+def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """Drafts are accepted as a prefix: ``(B, K)`` bool -> ``(B,)`` length of the leading True run."""
+    return torch.cumprod(accept.to(torch.int64), dim=-1).sum(dim=-1)
+
+
+def _assemble(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> torch.Tensor:
+    """``(B, K + 1)``: the accepted drafts, the recovered/bonus token, then placeholders."""
+    batch, k = draft_token_ids.shape
+    positions = torch.arange(k, device=draft_token_ids.device)
+    output = torch.full((batch, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=draft_token_ids.device)
+    output[:, :k] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, PLACEHOLDER_TOKEN_ID)
+    output[torch.arange(batch, device=draft_token_ids.device), num_accepted] = final_token
+    return output
 
 
 def _sampled_accept(safe_draft, draft_probs, target_probs_k, accept_uniforms, greedy) -> torch.Tensor:

@@ -110,5 +110,5 @@ class DraftModelDrafter:
             return int(greedy_argmax(logits[None])[0]), None
         q = compute_probs(logits[None], torch.tensor([r.temperature]), torch.tensor([r.top_k]),
                           torch.tensor([r.top_p], dtype=torch.float32))
-        token = inverse_cdf_sample(q, draw_uniforms(r.generator, 1))
+        token = inverse_cdf_sample(q, draw_uniforms(r.generator, 1).to(q.device))
         return int(token[0]), q[0]
