@@ -6,6 +6,8 @@ Each matches the Hugging Face Llama/Mixtral/Qwen reference (``LlamaRMSNorm``,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+@dataclass
+class AttentionPlan:
+    """What every layer's attention in one forward shares, built once per forward.
+
+    Attributes:
+        token_slots: ``(num_tokens,)`` int64 KV slot of each new token.
+        mask: ``(num_seqs, 1, max_q, max_kv)`` bool, True where a query may attend (causal by
+            absolute position, and the sliding window if any).
+        slot_rows: a ``slice`` when the batch's slots are consecutive and ascending (the cache
+            rows are then a view, not a gathered copy), else the ``(num_seqs,)`` slot tensor.
+        max_q, max_kv: longest new-token run and longest sequence after this pass.
+    """
+
+    token_slots: torch.Tensor
+    mask: torch.Tensor
+    slot_rows: slice | torch.Tensor
+    max_q: int
+    max_kv: int
+
+
+def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> AttentionPlan:
+    """The :class:`AttentionPlan` of ``batch`` (on the batch tensors' device)."""
+    device = batch.positions.device
+    num_seqs, max_q, max_kv = batch.num_seqs, max(batch.query_lens), max(batch.seq_lens)
+    # Padding rows get position 0 so their softmax has one valid key; their output is discarded.
+    q_pos = torch.zeros(num_seqs, max_q, dtype=torch.int64, device=device)
+    q_pos[batch.token_seq, batch.token_qidx] = batch.positions
+    key_pos = torch.arange(max_kv, device=device)
+    # Causal by absolute position: also hides stale entries past a rolled-back length, because
+    # every position <= a query's position was written in this pass or an earlier kept one.
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    slots = batch.slots.tolist()
+    consecutive = slots == list(range(slots[0], slots[0] + num_seqs))
+    return AttentionPlan(batch.slots[batch.token_seq], mask[:, None],
+                         slice(slots[0], slots[0] + num_seqs) if consecutive else batch.slots, max_q, max_kv)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -47,7 +88,7 @@ def attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: ForwardBatch,
-    sliding_window: int | None = None,
+    plan: AttentionPlan,
 ) -> torch.Tensor:
     """Write the new keys/values into the cache, then causal attention for every new token.
 
@@ -56,30 +97,18 @@ def attention(
         k, v: ``(num_tokens, num_kv_heads, head_dim)`` (grouped-query heads allowed).
         k_cache, v_cache: one layer's cache, ``(max_seqs, num_kv_heads, max_len, head_dim)``.
         batch: ragged batch metadata; query token t of sequence b sits at ``batch.positions[t]``.
-        sliding_window: attend only to the last ``sliding_window`` positions (Mistral semantics).
+        plan: :func:`plan_attention` of ``batch`` (shared by every layer of the forward).
 
     Returns:
         ``(num_tokens, num_heads, head_dim)``.
     """
-    token_slots = batch.slots[batch.token_seq]
-    k_cache[token_slots, :, batch.positions] = k
-    v_cache[token_slots, :, batch.positions] = v
-
-    num_seqs, max_q, max_kv = batch.num_seqs, max(batch.query_lens), max(batch.seq_lens)
-    q_pad = q.new_zeros(num_seqs, max_q, q.shape[1], q.shape[2])
+    k_cache[plan.token_slots, :, batch.positions] = k
+    v_cache[plan.token_slots, :, batch.positions] = v
+    q_pad = q.new_zeros(batch.num_seqs, plan.max_q, q.shape[1], q.shape[2])
     q_pad[batch.token_seq, batch.token_qidx] = q
-    # Padding rows get position 0 so their softmax has one valid key; their output is discarded.
-    q_pos = torch.zeros(num_seqs, max_q, dtype=torch.int64, device=q.device)
-    q_pos[batch.token_seq, batch.token_qidx] = batch.positions
-    key_pos = torch.arange(max_kv, device=q.device)
-    # Causal by absolute position: also hides stale entries past a rolled-back length, because
-    # every position <= a query's position was written in this pass or an earlier kept one.
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]
-    if sliding_window is not None:
-        mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    keys = k_cache[batch.slots, :, :max_kv]
-    values = v_cache[batch.slots, :, :max_kv]
+    keys = k_cache[plan.slot_rows, :, :plan.max_kv]
+    values = v_cache[plan.slot_rows, :, :plan.max_kv]
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=keys.shape[1] != q.shape[1]
+        q_pad.transpose(1, 2), keys, values, attn_mask=plan.mask, enable_gqa=keys.shape[1] != q.shape[1]
     )
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]

@@ -16,7 +16,7 @@ from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
-from engine.model.layers import Rotary, apply_rotary, attention, rms_norm
+from engine.model.layers import AttentionPlan, Rotary, apply_rotary, attention, plan_attention, rms_norm
 from engine.model.moe import ExpertExecutor
 from engine.model.names import layer_prefix, mlp_names, moe_prefix, router_name
 from kernels.expert_ffn import swiglu
@@ -125,15 +125,17 @@ class Transformer:
         """
         x = F.embedding(batch.input_ids, self.embed)  # (num_tokens, hidden)
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        plan = plan_attention(batch, self.config.sliding_window)  # the same for every layer
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.config.rms_norm_eps)
-            x = x + self._attention(layer.attn, h, cos, sin, kv.k[i], kv.v[i], batch)
+            x = x + self._attention(layer.attn, h, cos, sin, kv.k[i], kv.v[i], batch, plan)
             h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
             x = x + self._mlp(i, layer, h)
         x = rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
-    def _attention(self, a: _Attention, h, cos, sin, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+    def _attention(self, a: _Attention, h, cos, sin, k_cache, v_cache, batch: ForwardBatch,
+                   plan: AttentionPlan) -> torch.Tensor:
         c, n = self.config, h.shape[0]
         q = F.linear(h, a.wq, a.bq).view(n, c.num_heads, c.head_dim)
         k = F.linear(h, a.wk, a.bk).view(n, c.num_kv_heads, c.head_dim)
@@ -142,7 +144,7 @@ class Transformer:
             q = rms_norm(q, a.q_norm, c.rms_norm_eps)
             k = rms_norm(k, a.k_norm, c.rms_norm_eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, k_cache, v_cache, batch, c.sliding_window)
+        out = attention(q, k, v, k_cache, v_cache, batch, plan)
         return F.linear(out.reshape(n, c.num_heads * c.head_dim), a.wo, a.bo)
 
     def _mlp(self, i: int, layer: _Layer, h: torch.Tensor) -> torch.Tensor:

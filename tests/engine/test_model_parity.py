@@ -39,14 +39,18 @@ def test_prefill_and_decode_logits_match_transformers(tiny_checkpoints, arch):
     assert worst <= 1e-4, f"{arch}: max |dlogit| = {worst:.2e}"
 
 
-def test_ragged_batched_decode_equals_one_at_a_time(tiny_checkpoints):
+@pytest.mark.parametrize("reverse_slots", [False, True], ids=["consecutive_slots", "gathered_slots"])
+def test_ragged_batched_decode_equals_one_at_a_time(tiny_checkpoints, reverse_slots):
     path, _ = tiny_checkpoints["mixtral"]
     model = load_model(path).model
     prompts = _prompts(2)
 
     def greedy(batch_prompts: list[list[int]], steps: int) -> list[list[int]]:
-        kv = model.new_kv_cache(len(batch_prompts), 64)
+        kv = model.new_kv_cache(len(batch_prompts) + 1, 64)
+        kv.allocate()  # slot 0 stays unused: a batch's slots need not start at 0
         slots = [kv.allocate() for _ in batch_prompts]
+        if reverse_slots:  # descending slots: the cache rows are gathered, not a view
+            slots = slots[::-1]
         logits = model.forward(ForwardBatch.build(slots, batch_prompts, [0] * len(slots)), kv)
         seqs = [[int(t)] for t in logits.argmax(-1)]
         for _ in range(steps - 1):
