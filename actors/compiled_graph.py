@@ -58,12 +58,15 @@ class ActorGraph:
         timeout_s: longest wait for one execution's results before the graph counts as failed.
         idle_teardown_s: tear the graph down after this long without an execution.
         buffer_size_bytes: initial channel size (Ray resizes channels for larger messages).
+        build_after_s: build only once the graph has been wanted (requests no more than
+            ``idle_teardown_s`` apart) for this long: a build costs ~2 s of CPU, which on a small
+            machine would delay a short burst more than actor calls do.
     """
 
     def __init__(self, name: str, members: Callable[[], tuple[list, str]], warmup: Callable[[int], Any],
-                 timeout_s: float, idle_teardown_s: float, buffer_size_bytes: int) -> None:
+                 timeout_s: float, idle_teardown_s: float, buffer_size_bytes: int, build_after_s: float = 0.0) -> None:
         self.name, self._members, self._warmup = name, members, warmup
-        self.timeout_s = timeout_s
+        self.timeout_s, self.build_after_s = timeout_s, build_after_s
         self.idle_teardown_s, self.buffer_size_bytes = idle_teardown_s, buffer_size_bytes
         self.stats = GraphStats()
         self._lock = threading.Lock()  # guards _dag: execute, publish and teardown never overlap
@@ -73,7 +76,8 @@ class ActorGraph:
         self._closed = False
         self._teardowns: list[threading.Thread] = []
         self._last_used = time.monotonic()
-        self._janitor = threading.Thread(target=self._janitor_loop, name="expert-graph-janitor", daemon=True)
+        self._wanted_since: float | None = None  # start of the current run of requests without a graph
+        self._janitor = threading.Thread(target=self._janitor_loop, name=f"{name}-graph-janitor", daemon=True)
         self._janitor.start()
 
     @property
@@ -96,11 +100,11 @@ class ActorGraph:
             failed execution tears the graph down and returns None.
         """
         with self._lock:
-            self._last_used = time.monotonic()
             dag = self._dag
             if dag is None:
-                self._start_build()
+                self._want()
                 return None
+            self._last_used = time.monotonic()
             try:
                 results = ray.get(dag.execute(request), timeout=self.timeout_s)
             except Exception as e:  # actor death, timeout, channel error: the graph is unusable now
@@ -114,11 +118,19 @@ class ActorGraph:
             return results
 
     def request_build(self) -> None:
-        """Start building in the background unless a graph is live or being built."""
+        """Say the graph is wanted now: builds in the background once it has been wanted for
+        ``build_after_s`` (unless a graph is live or being built)."""
         with self._lock:
-            self._last_used = time.monotonic()
             if self._dag is None:
-                self._start_build()
+                self._want()
+
+    def _want(self) -> None:
+        now = time.monotonic()
+        if self._wanted_since is None or now - self._last_used > self.idle_teardown_s:
+            self._wanted_since = now  # a new burst: the earlier one ended without a graph
+        self._last_used = now
+        if now - self._wanted_since >= self.build_after_s:
+            self._start_build()
 
     def _start_build(self) -> None:
         if self._building or self._closed:
@@ -146,7 +158,7 @@ class ActorGraph:
             with self._lock:
                 if not self._closed:
                     self._dag, self._actors, dag = dag, actors, None
-                    self._last_used = time.monotonic()
+                    self._last_used, self._wanted_since = time.monotonic(), None
                     self.stats.builds += 1
         except Exception as e:
             self.stats.build_failures += 1

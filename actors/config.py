@@ -37,6 +37,9 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             poll (each idle actor would burn a core); the next step rebuilds it in the background.
         graph_buffer_size_bytes: initial size of each compiled-graph channel (Ray resizes a channel
             when a larger message is written).
+        graph_build_after_s: (re)build a graph only after this long of steady traffic without one
+            (steps no more than ``graph_idle_teardown_s`` apart): a build costs ~2 s of CPU, more than
+            a short burst loses by going over actor calls.
     """
 
     experts_per_actor: int = 4
@@ -52,6 +55,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     transport: Literal["compiled_graph", "actor_calls"] = "compiled_graph"
     graph_idle_teardown_s: float = 2.0
     graph_buffer_size_bytes: int = 1_000_000
+    graph_build_after_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.experts_per_actor < 1:
@@ -60,8 +64,9 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             raise ValueError("experts.replicas and experts.hot_expert_replicas values must be >= 1")
         if self.call_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("experts.call_timeout_s must be > 0 and experts.max_attempts >= 1")
-        if self.graph_idle_teardown_s <= 0 or self.graph_buffer_size_bytes < 1024:
-            raise ValueError("experts.graph_idle_teardown_s must be > 0 and experts.graph_buffer_size_bytes >= 1024")
+        if self.graph_idle_teardown_s <= 0 or self.graph_buffer_size_bytes < 1024 or self.graph_build_after_s < 0:
+            raise ValueError("experts.graph_idle_teardown_s must be > 0, experts.graph_buffer_size_bytes >= 1024 "
+                             "and experts.graph_build_after_s >= 0")
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

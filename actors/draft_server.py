@@ -132,18 +132,19 @@ class RemoteDrafter:
     Args:
         spec: the draft actor to create.
         timeout_s: longest wait for one proposal call.
-        graph: use a compiled graph (idle teardown and channel size from the expert pool config).
+        graph: use a compiled graph (idle teardown, channel size and build delay as for the experts:
+            see :class:`actors.compiled_graph.ActorGraph`).
     """
 
     def __init__(self, spec: DraftActorSpec, timeout_s: float = 10.0, graph: bool = False,
-                 idle_teardown_s: float = 2.0, buffer_size_bytes: int = 1_000_000) -> None:
+                 idle_teardown_s: float = 2.0, buffer_size_bytes: int = 1_000_000, build_after_s: float = 0.0) -> None:
         self.spec, self.timeout_s = spec, timeout_s
         self._released: list[str] = []
         self.num_failures = 0
         self.generation = 0
         self.member = _Member(self._make())
         self.graph = ActorGraph("draft", lambda: ([self.member], "propose_graph"), lambda n: None, timeout_s,
-                                idle_teardown_s, buffer_size_bytes) if graph else None
+                                idle_teardown_s, buffer_size_bytes, build_after_s) if graph else None
 
     def _make(self) -> ray.actor.ActorHandle:
         s = self.spec

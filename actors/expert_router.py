@@ -104,7 +104,7 @@ class ExpertRouter:
         self.pool, self.dtype = pool, dtype
         x = pool.config
         self.graph = ActorGraph("expert", self._graph_members, lambda n: (None, [None] * n, 0.0), x.call_timeout_s,
-                                x.graph_idle_teardown_s, x.graph_buffer_size_bytes) if graph else None
+                                x.graph_idle_teardown_s, x.graph_buffer_size_bytes, x.graph_build_after_s) if graph else None
         self.telemetry = telemetry or NullTelemetry()
         self.timeout_s = pool.config.call_timeout_s
         self.max_attempts = pool.config.max_attempts

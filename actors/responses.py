@@ -20,14 +20,23 @@ def error_body(message: str, err_type: str = "invalid_request_error", param: str
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def completion_logprobs(items: list[dict], tokenizer) -> dict:
-    """Legacy completions ``logprobs`` object for the given token logprob items."""
+def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -> dict:
+    """Legacy completions ``logprobs`` object for the given token logprob items.
+
+    ``text_offset[j]`` is the character offset of token ``j``'s text in the completion text (vLLM's
+    rule: the running sum of the decoded token lengths, from ``initial_offset``, the length of the
+    text streamed before these tokens).
+    """
     tokens = [tokenizer.decode([i["token_id"]]) for i in items]
+    offsets, at = [], initial_offset
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
     return {
         "tokens": tokens,
         "token_logprobs": [i["logprob"] for i in items],
         "top_logprobs": [{tokenizer.decode([int(t)]): lp for t, lp in i["top"].items()} for i in items],
-        "text_offset": [],
+        "text_offset": offsets,
     }
 
 
@@ -58,10 +67,10 @@ class ResponseBuilder:
         self.usage: dict | None = None
         self._role_sent = [False] * n  # chat streams announce the role in each choice's first chunk only
 
-    def _lp(self, items: list[dict]) -> dict | None:
+    def _lp(self, items: list[dict], text_before: int = 0) -> dict | None:
         if not self.want_logprobs:
             return None
-        return completion_logprobs(items, self.tokenizer) if self.kind == "completion" else chat_logprobs(
+        return completion_logprobs(items, self.tokenizer, text_before) if self.kind == "completion" else chat_logprobs(
             items, self.tokenizer)
 
     def add(self, item: dict) -> list[dict]:
@@ -81,7 +90,7 @@ class ResponseBuilder:
         return chunks
 
     def _chunk(self, i: int, c: dict) -> dict:
-        lp = self._lp(c["new_logprobs"] or [])
+        lp = self._lp(c["new_logprobs"] or [], len(self.text[i]) - len(c["new_text"]))
         if self.kind == "completion":
             choice = {"index": i, "text": c["new_text"], "logprobs": lp, "finish_reason": c["finish_reason"]}
             obj = "text_completion"

@@ -111,7 +111,8 @@ class VerifierServer:
             spec = DraftActorSpec(e.draft_model, e.dtype, e.device, e.scheduler.max_num_seqs, e.max_model_len, tracing,
                                   f"specmoe-draft-{self.tag}", x.namespace, d.num_cpus, d.num_gpus)
             drafter = RemoteDrafter(spec, x.call_timeout_s, graph=x.transport == "compiled_graph",
-                                    idle_teardown_s=x.graph_idle_teardown_s, buffer_size_bytes=x.graph_buffer_size_bytes)
+                                    idle_teardown_s=x.graph_idle_teardown_s, buffer_size_bytes=x.graph_buffer_size_bytes,
+                                    build_after_s=x.graph_build_after_s)
         elif e.speculative_method == "ngram":
             drafter = NgramDrafter(e.ngram_min_n, e.ngram_max_n)
         else:
