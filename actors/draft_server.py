@@ -100,6 +100,9 @@ class DraftServer:
 DraftActor = ray.remote(DraftServer)
 
 
+MAX_PENDING_RELEASES = 256
+
+
 @dataclass
 class DraftActorSpec:
     """How the verifier creates (and after a death re-creates) its draft actor."""
@@ -194,7 +197,15 @@ class RemoteDrafter:
         self.member = _Member(self._make())
 
     def release(self, seq_id: str) -> None:
-        self._released.append(seq_id)  # sent with the next proposal call
+        """Forget ``seq_id``'s draft cache: sent with the next proposal call, or on its own once
+        ``MAX_PENDING_RELEASES`` pile up (nothing drafting, e.g. every request at k = 0)."""
+        self._released.append(seq_id)
+        if len(self._released) >= MAX_PENDING_RELEASES:
+            release, self._released = self._released, []
+            try:
+                self._call(([], release, None))  # an empty proposal: the same hop, in order
+            except Exception as e:  # the actor forgets everything if it died anyway
+                log.warning("draft cache release failed (%s: %s)", type(e).__name__, e)
 
     def close(self) -> None:
         if self.graph is not None:

@@ -27,6 +27,23 @@ NAMES = ["specmoe.engine.step", "specmoe.draft.propose", "specmoe.draft.forward"
          "specmoe.moe.dispatch", "specmoe.expert.call", "specmoe.expert.compute", "specmoe.verify"]
 
 
+def _warm_until_live(url: str, model: str, prompts: list[str], args, receiver) -> None:
+    """Steady state only: warm-up batches until the compiled graphs are live, then drop their spans
+    (steps over actor calls while the graphs build are not what this breakdown is about)."""
+    from ray import serve
+
+    import serve_app
+    from benchmarks.serve_vs_engine import _graphs_live
+
+    handle = serve.get_deployment_handle("verifier", app_name=serve_app.APP_NAME)
+    for _ in range(20):
+        asyncio.run(_load(url, model, prompts[: args.concurrency], args.concurrency, args.max_tokens))
+        if asyncio.run(_graphs_live(handle)):
+            break
+    time.sleep(1.0)  # the warm-up's spans reach the receiver, then go
+    receiver.spans.clear()
+
+
 def main() -> None:
     import serve_app
     from actors.config import HttpConfig, ServeConfig
@@ -50,6 +67,7 @@ def main() -> None:
     url = serve_app.start(config, base=ROOT)
     try:
         prompts = [r["prompt"] for r in load_prompts(args.num_requests)]
+        _warm_until_live(url, config.model_name, prompts, args, receiver)
         asyncio.run(_load(url, config.model_name, prompts, args.concurrency, args.max_tokens))
         time.sleep(3)  # let the batch processors export
     finally:

@@ -73,7 +73,8 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
 
         Raises:
-            ValueError: bad prompt or parameters (see :meth:`LLMEngine.add_request`).
+            ValueError: bad prompt or parameters (see :meth:`LLMEngine.add_request`); the prompts of
+                this call queued before the bad one are withdrawn, so nothing of it runs later.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -83,10 +84,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         requests = []
-        for prompt, p in zip(prompts, params):
-            text = prompt if isinstance(prompt, str) else None
-            ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
-            requests.append(self.engine.add_request(f"offline-{next(self._ids)}", ids, p, prompt=text))
+        try:
+            for prompt, p in zip(prompts, params):
+                text = prompt if isinstance(prompt, str) else None
+                ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+                requests.append(self.engine.add_request(f"offline-{next(self._ids)}", ids, p, prompt=text))
+        except Exception:
+            for r in requests:
+                self.engine.abort_request(r.request_id)
+            raise
         with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
             done = 0
             while self.engine.has_unfinished_requests():

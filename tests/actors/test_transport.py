@@ -212,3 +212,20 @@ def test_an_idle_server_does_not_burn_a_core(served):
     busiest = max(used.values())
     assert busiest < 0.05 * window_s, f"a Ray worker used {busiest:.1f} CPU s in an idle {window_s:.0f} s"
     assert sum(used.values()) < 0.25 * window_s, f"Ray workers used {sum(used.values()):.1f} CPU s idle"
+
+
+def test_releases_do_not_pile_up_while_nothing_drafts(served):
+    from actors.draft_server import MAX_PENDING_RELEASES
+
+    spec = DraftActorSpec(DRAFT, "float32", "cpu", 4, None, None, f"test-draft-release-{os.getpid()}", "specmoe")
+    drafter = RemoteDrafter(spec, timeout_s=30.0)
+    try:
+        drafter.propose([DraftRequest("kept", list(range(5, 30)), 2)])
+        for i in range(MAX_PENDING_RELEASES + 10):
+            drafter.release(f"gone-{i}")
+        assert len(drafter._released) == 10  # the first MAX_PENDING_RELEASES went on their own
+        drafter.release("kept")
+        drafter.propose([DraftRequest("kept", list(range(5, 30)), 2)])  # its cache was released: a miss
+        assert ray.get(drafter.member.handle.num_cache_misses.remote()) == 2
+    finally:
+        ray.kill(drafter.member.handle)

@@ -85,3 +85,16 @@ def test_yaml_out_of_range_field_names_it(tmp_path):
     cfg.write_text("model: /x\nspeculative_method: medusa\n")
     with pytest.raises(ConfigError, match=r"\$\.speculative_method"):
         load_yaml(cfg, EngineArgs)
+
+
+def test_generate_with_a_bad_prompt_leaves_nothing_queued():
+    from engine import LLM, SamplingParams
+    from tests.engine.bundled import TARGET
+
+    llm = LLM(TARGET)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 6, 7], [8, 9], [10**6]], params)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.num_used == 0
+    out = llm.generate([[5, 6, 7]], params)  # the next call runs only its own prompt
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
