@@ -21,27 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, load_prompts, machine, print_table, save_json  # noqa: E402
-from benchmarks.tracing_overhead import _load  # noqa: E402
+from benchmarks.tracing_overhead import _load, _warm_until_live  # noqa: E402
 
 NAMES = ["specmoe.engine.step", "specmoe.draft.propose", "specmoe.draft.forward", "specmoe.target.forward",
          "specmoe.moe.dispatch", "specmoe.expert.call", "specmoe.expert.compute", "specmoe.verify"]
-
-
-def _warm_until_live(url: str, model: str, prompts: list[str], args, receiver) -> None:
-    """Steady state only: warm-up batches until the compiled graphs are live, then drop their spans
-    (steps over actor calls while the graphs build are not what this breakdown is about)."""
-    from ray import serve
-
-    import serve_app
-    from benchmarks.serve_vs_engine import _graphs_live
-
-    handle = serve.get_deployment_handle("verifier", app_name=serve_app.APP_NAME)
-    for _ in range(20):
-        asyncio.run(_load(url, model, prompts[: args.concurrency], args.concurrency, args.max_tokens))
-        if asyncio.run(_graphs_live(handle)):
-            break
-    time.sleep(1.0)  # the warm-up's spans reach the receiver, then go
-    receiver.spans.clear()
 
 
 def main() -> None:
@@ -67,7 +50,11 @@ def main() -> None:
     url = serve_app.start(config, base=ROOT)
     try:
         prompts = [r["prompt"] for r in load_prompts(args.num_requests)]
-        _warm_until_live(url, config.model_name, prompts, args, receiver)
+        # Steady state only: steps over actor calls while the graphs build are not what this
+        # breakdown is about, so the warm-up's spans are dropped once they have arrived.
+        _warm_until_live(url, config.model_name, prompts, args)
+        time.sleep(1.0)
+        receiver.spans.clear()
         asyncio.run(_load(url, config.model_name, prompts, args.concurrency, args.max_tokens))
         time.sleep(3)  # let the batch processors export
     finally:

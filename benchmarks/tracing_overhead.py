@@ -54,6 +54,20 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_
             "tok_per_s": tokens / elapsed}
 
 
+def _warm_until_live(url: str, model: str, prompts: list[str], args) -> None:
+    """Steady state in every phase: warm-up batches until the server's compiled graphs are live."""
+    from ray import serve
+
+    import serve_app
+    from benchmarks.serve_vs_engine import _graphs_live
+
+    handle = serve.get_deployment_handle("verifier", app_name=serve_app.APP_NAME)
+    for _ in range(20):
+        asyncio.run(_load(url, model, prompts[: args.concurrency], args.concurrency, args.max_tokens))
+        if asyncio.run(_graphs_live(handle)):
+            return
+
+
 def run_phase(name: str, endpoint: str | None, args, prompts: list[str]) -> dict:
     import serve_app
     from actors.config import HttpConfig
@@ -65,6 +79,7 @@ def run_phase(name: str, endpoint: str | None, args, prompts: list[str]) -> dict
     config.tracing = TracingConfig(endpoint=endpoint) if endpoint else None
     url = serve_app.start(config, base=ROOT)
     try:
+        _warm_until_live(url, config.model_name, prompts, args)
         result = asyncio.run(_load(url, config.model_name, prompts, args.concurrency, args.max_tokens))
     finally:
         serve_app.stop()
