@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from opentelemetry import trace
 
-from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, StepStats
+from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY
 from observability import (
     EngineMetrics,
     RequestMetrics,
@@ -55,17 +55,11 @@ class VerifierTelemetry:
         parent = next((c for c in carriers if c), None)
         links = [link_from_carrier(c, {sc.REQUEST_ID: r}) for r, c in zip(request_ids, carriers) if c]
         with start_span(sc.SPAN_ENGINE_STEP, carrier=parent, links=links) as span:
-            yield lambda stats: set_attributes(span, _step_attributes(stats))
+            yield lambda stats: set_attributes(span, sc.step_attributes(stats))
 
     def phase(self, name: str):
         kind = SpanKind.CLIENT if name == PHASE_DRAFT else SpanKind.INTERNAL
         return start_span(PHASE_SPANS.get(name, f"specmoe.{name}"), kind=kind)
-
-
-def _step_attributes(s: StepStats) -> dict:
-    return {sc.STEP_BATCH_SIZE: s.batch_size, sc.STEP_NUM_PREFILLS: s.num_prefills, sc.STEP_K: s.k,
-            sc.STEP_NUM_DRAFTED_TOKENS: s.num_drafted, sc.STEP_NUM_ACCEPTED_TOKENS: s.num_accepted,
-            sc.STEP_NUM_EMITTED_TOKENS: s.num_emitted}
 
 
 class RouterTelemetry:

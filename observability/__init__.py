@@ -19,7 +19,7 @@ from observability.spans import (
     set_attributes,
     start_span,
 )
-from observability.stragglers import LatencyTracker, StragglerDetector
+from observability.stragglers import StragglerDetector
 from observability.tracing import (
     TracingConfig,
     export_stats,
@@ -32,7 +32,7 @@ from observability.tracing import (
 )
 
 __all__ = [
-    "CONTENT_TYPE", "SpanKind", "EngineMetrics", "LatencyTracker", "RequestMetrics",
+    "CONTENT_TYPE", "SpanKind", "EngineMetrics", "RequestMetrics",
     "RequestTracker", "StragglerDetector", "TracingConfig", "add_event", "emit_span", "export_stats",
     "extract_context", "flush_tracing", "get_tracer", "inject_context", "is_enabled", "link_from_carrier",
     "otel_env_vars", "record_error", "render", "semconv", "set_attributes", "setup_tracing", "shutdown_tracing",

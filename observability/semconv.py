@@ -23,7 +23,6 @@ See ``actors/telemetry.py`` for where each span is made.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Final
 
 # --- resource -------------------------------------------------------------------------------
@@ -147,19 +146,14 @@ def gen_ai_response_attributes(
     }
 
 
-def step_attributes(before: Mapping[str, object], after: Mapping[str, object], *, batch_size: int | None = None,
-                    num_prefills: int | None = None, k: int | None = None) -> dict[str, object]:
-    """Step span attributes from ``LLMEngine.get_metrics()`` taken just before and just after
-    one ``step()`` (token counts are the differences of the cumulative totals)."""
-
-    def delta(key: str) -> int:
-        return int(after.get(key, 0) or 0) - int(before.get(key, 0) or 0)  # type: ignore[call-overload]
-
+def step_attributes(stats) -> dict[str, object]:
+    """Step span attributes of one engine step (``engine.observer.StepStats``: batch_size,
+    num_prefills, k, num_drafted, num_accepted, num_emitted)."""
     return {
-        STEP_BATCH_SIZE: batch_size,
-        STEP_NUM_PREFILLS: num_prefills,
-        STEP_K: k,
-        STEP_NUM_DRAFTED_TOKENS: delta("num_draft_tokens"),
-        STEP_NUM_ACCEPTED_TOKENS: delta("num_accepted_tokens"),
-        STEP_NUM_EMITTED_TOKENS: delta("num_emitted_tokens"),
+        STEP_BATCH_SIZE: stats.batch_size,
+        STEP_NUM_PREFILLS: stats.num_prefills,
+        STEP_K: stats.k,
+        STEP_NUM_DRAFTED_TOKENS: stats.num_drafted,
+        STEP_NUM_ACCEPTED_TOKENS: stats.num_accepted,
+        STEP_NUM_EMITTED_TOKENS: stats.num_emitted,
     }

@@ -21,7 +21,7 @@ import logging
 import math
 import statistics
 import threading
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Mapping
 from typing import TypeVar
 
 logger = logging.getLogger("observability")
@@ -87,58 +87,3 @@ def _valid(v: object) -> bool:
     except (TypeError, ValueError):
         return False
     return math.isfinite(f) and f >= 0.0
-
-
-class LatencyTracker:
-    """Exponentially weighted moving average of recent latency per replica key.
-
-    ``ewma <- alpha * sample + (1 - alpha) * ewma`` (the first sample initialises it), so a
-    replica that turned slow is noticed after a few calls. Thread-safe; never raises.
-
-    Args:
-        alpha: weight of the newest sample, in (0, 1].
-    """
-
-    def __init__(self, alpha: float = 0.2) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
-        self._ewma: dict[Hashable, float] = {}
-        self._lock = threading.Lock()
-
-    def update(self, key: Hashable, latency_ms: float) -> float | None:
-        """Add one latency sample (ms) for ``key``; returns the new average (None if invalid)."""
-        if not _valid(latency_ms):
-            return None
-        with self._lock:
-            prev = self._ewma.get(key)
-            cur = float(latency_ms) if prev is None else self.alpha * float(latency_ms) + (1 - self.alpha) * prev
-            self._ewma[key] = cur
-            return cur
-
-    def get(self, key: Hashable, default: float | None = None) -> float | None:
-        """Current average latency of ``key`` in ms, or ``default`` if never observed."""
-        with self._lock:
-            return self._ewma.get(key, default)
-
-    def fastest(self, keys: Iterable[K]) -> K | None:
-        """The key with the lowest average; keys never observed count as 0 ms so a new replica
-        is tried (and measured) first. Ties keep the earlier key. ``None`` if ``keys`` is empty."""
-        best: K | None = None
-        best_v = math.inf
-        with self._lock:
-            for k in keys:
-                v = self._ewma.get(k, 0.0)
-                if v < best_v:
-                    best, best_v = k, v
-        return best
-
-    def snapshot(self) -> dict[Hashable, float]:
-        """Copy of ``{key: average ms}``."""
-        with self._lock:
-            return dict(self._ewma)
-
-    def forget(self, key: Hashable) -> None:
-        """Drop ``key`` (e.g. a replica that died)."""
-        with self._lock:
-            self._ewma.pop(key, None)

@@ -1,10 +1,10 @@
-"""StragglerDetector's rule (strict multiple x median AND floor) and LatencyTracker's EWMA."""
+"""StragglerDetector's rule (strict multiple x median AND floor) and the router's latency EWMA."""
 
 import math
 
 import pytest
 
-from observability import LatencyTracker, StragglerDetector
+from observability import StragglerDetector
 
 
 @pytest.mark.parametrize(("latencies", "expected"), [
@@ -50,20 +50,28 @@ def test_invalid_latencies_ignored_and_counts_kept_per_layer_and_expert():
 def test_constructor_validates():
     with pytest.raises(ValueError):
         StragglerDetector(multiple=0)
-    with pytest.raises(ValueError):
-        LatencyTracker(alpha=0)
 
 
-def test_latency_tracker_ewma_and_fastest():
-    tr = LatencyTracker(alpha=0.5)
-    assert tr.update("a", 10.0) == 10.0
-    assert tr.update("a", 20.0) == 15.0
-    assert tr.update("a", 5.0) == 10.0
-    assert tr.update("b", 12.0) == 12.0
-    assert tr.update("b", math.inf) is None and tr.get("b") == 12.0
-    assert tr.fastest(["a", "b"]) == "a"
-    assert tr.fastest(["b", "new"]) == "new"  # unmeasured replicas are tried first
-    assert tr.fastest([]) is None
-    assert tr.get("missing", -1.0) == -1.0
-    tr.forget("a")
-    assert tr.snapshot() == {"b": 12.0}
+def test_replica_latency_ewma_steers_the_router_to_the_faster_replica():
+    from actors.expert_pool import Replica
+    from actors.expert_router import ExpertRouter
+
+    slow, fast = Replica(0, 0, 0, "slow", None), Replica(0, 1, 0, "fast", None)
+    for r, samples in ((slow, (10.0, 20.0, 5.0)), (fast, (12.0,))):
+        for ms in samples:
+            r.observe_latency(ms, alpha=0.5)
+    assert (slow.ewma_latency_ms, fast.ewma_latency_ms) == (10.0, 12.0)  # 10 -> 15 -> 10; first sample sets it
+    slow.observe_latency(30.0)  # default alpha 0.2: 0.2 * 30 + 0.8 * 10
+    assert slow.ewma_latency_ms == 14.0
+
+    class Pool:
+        replicas = {0: [slow, fast]}
+
+        def alive(self, group):
+            return [r for r in self.replicas[group] if r.alive]
+
+    router = ExpertRouter.__new__(ExpertRouter)
+    router.pool = Pool()
+    assert router._pick(0) is fast  # same outstanding rows: the lower latency wins
+    fast.outstanding_rows = 8
+    assert router._pick(0) is slow  # fewer outstanding rows first

@@ -174,11 +174,12 @@ def test_config_rejects_unknown_and_out_of_range_fields():
 
 
 def test_step_attributes_and_otel_env_vars(clean_env):
+    from engine.observer import StepStats
     from observability import otel_env_vars
 
-    before = {"num_draft_tokens": 10, "num_accepted_tokens": 6, "num_emitted_tokens": 12}
-    after = {"num_draft_tokens": 18, "num_accepted_tokens": 11, "num_emitted_tokens": 20}
-    assert sc.step_attributes(before, after, batch_size=3, num_prefills=1, k=4) == {
+    stats = StepStats(batch_size=3, num_prefills=1, num_drafted=8, num_accepted=5, num_emitted=8, k=4,
+                      duration_s=0.01)
+    assert sc.step_attributes(stats) == {
         "specmoe.step.batch_size": 3, "specmoe.step.num_prefills": 1, "specmoe.step.k": 4,
         "specmoe.step.num_drafted_tokens": 8, "specmoe.step.num_accepted_tokens": 5,
         "specmoe.step.num_emitted_tokens": 8,
