@@ -154,6 +154,31 @@ def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: i
     return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
 
 
+def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, args) -> dict:
+    """HTTP, serving unit and in-process, interleaved ``--repeats`` times; medians (tok/s, ratios of
+    the same repeat), so a noisy machine's drift hits both sides of a ratio alike."""
+    reps = []
+    for _ in range(args.repeats):
+        h = asyncio.run(http_run(url, config.model_name, prompts, conc, k, args.max_tokens, handle, stream=conc == 1))
+        # Let the server's compiled graphs reach their idle teardown: their polling readers
+        # would otherwise take cores from the runs below.
+        time.sleep(config.experts.graph_idle_teardown_s + 1.0)
+        u = unit_run(config, prompts, conc, k, args.max_tokens)
+        time.sleep(config.experts.graph_idle_teardown_s + 1.0)
+        e = engine_run(config, prompts, conc, k, args.max_tokens)
+        rep = {"http_tok_per_s": h["tok_per_s"], "unit_tok_per_s": u["tok_per_s"], "engine_tok_per_s": e["tok_per_s"],
+               "ratio": h["tok_per_s"] / e["tok_per_s"], "unit_ratio": u["tok_per_s"] / e["tok_per_s"]}
+        if "tpot_p50_ms" in h:  # against the in-process time per output token at this concurrency
+            rep.update(http_tpot_p50_ms=h["tpot_p50_ms"], engine_ms_per_token=1e3 / e["tok_per_s"],
+                       tpot_over_engine=h["tpot_p50_ms"] * e["tok_per_s"] / 1e3)
+        reps.append(rep)
+    row = {"concurrency": conc, "k": k, "repeats": args.repeats}
+    row.update({key: statistics.median(r[key] for r in reps) for key in reps[0]})
+    if args.repeats > 1:
+        row["ratio_min_max"] = f"{min(r['ratio'] for r in reps):.3f}-{max(r['ratio'] for r in reps):.3f}"
+    return row
+
+
 def main() -> None:
     import serve_app
     from actors.config import HttpConfig, ServeConfig
@@ -164,6 +189,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats per point (medians)")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     config = load_yaml(args.config, ServeConfig)
@@ -179,20 +205,7 @@ def main() -> None:
     try:
         for conc in [int(c) for c in args.concurrency.split(",")]:
             for k in (config.engine.num_speculative_tokens, 0):
-                h = asyncio.run(http_run(url, config.model_name, prompts, conc, k, args.max_tokens, handle,
-                                         stream=conc == 1))
-                # Let the server's compiled graphs reach their idle teardown: their polling readers
-                # would otherwise take cores from the in-process run.
-                time.sleep(config.experts.graph_idle_teardown_s + 1.0)
-                u = unit_run(config, prompts, conc, k, args.max_tokens)
-                time.sleep(config.experts.graph_idle_teardown_s + 1.0)
-                e = engine_run(config, prompts, conc, k, args.max_tokens)
-                rows.append({"concurrency": conc, "k": k, "http_tok_per_s": h["tok_per_s"],
-                             "unit_tok_per_s": u["tok_per_s"], "engine_tok_per_s": e["tok_per_s"],
-                             "ratio": h["tok_per_s"] / e["tok_per_s"], "unit_ratio": u["tok_per_s"] / e["tok_per_s"]})
-                if "tpot_p50_ms" in h:  # in-process time per output token at this concurrency
-                    rows[-1].update(http_tpot_p50_ms=h["tpot_p50_ms"], engine_ms_per_token=1e3 / e["tok_per_s"],
-                                    tpot_over_engine=h["tpot_p50_ms"] * e["tok_per_s"] / 1e3)
+                rows.append(_measure(config, url, handle, prompts, conc, k, args))
                 print_table(rows[-1:], list(rows[-1]))
     finally:
         serve_app.stop()
