@@ -72,6 +72,7 @@ class VerifierServer:
             self.pool = ExpertPool(e.model, target_config.moe.num_experts, x, e.dtype, e.device,
                                    prefix=prefix, tracing=tracing, detached=not private)
             self.pool.start()
+            self.metrics.declare_experts(target_config.moe.sparse_layers, target_config.moe.num_experts)
 
     async def _ensure_started(self) -> None:
         """Build the engine on the engine thread, once (the first request, stats or health call),

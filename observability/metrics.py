@@ -153,6 +153,21 @@ class EngineMetrics:
         return ratio
 
     @safe
+    def declare_experts(self, layers: Sequence[int], num_experts: int) -> None:
+        """Create every per-(layer, expert) series at zero, so dashboards and alerts see them
+        before the first request (Prometheus' advice for known label sets)."""
+        for layer in layers:
+            self._imbalance.labels(self.model_name, str(layer))
+            for expert in range(num_experts):
+                key = (self.model_name, str(layer), str(expert))
+                self._expert_tokens.labels(*key)
+                self._stragglers.labels(*key)
+                if self.per_expert_latency:
+                    self._expert_latency.labels(*key)
+            if not self.per_expert_latency:
+                self._expert_latency.labels(self.model_name, str(layer))
+
+    @safe
     def record_expert_call(self, layer: int, expert: int, num_tokens: int, latency_s: float,
                            straggler: bool = False) -> None:
         """One finished expert call as the router saw it (round trip, seconds)."""

@@ -145,3 +145,19 @@ def test_render_merges_sources_into_valid_text():
     assert len(type_lines) == len(set(type_lines))  # one HELP/TYPE block per family
     assert "_created" not in text
     assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
+
+
+def test_declared_expert_series_are_exported_at_zero_before_any_call():
+    em = EngineMetrics("tiny-moe")
+    r = em.registry
+    assert value(r, "specmoe:expert_tokens_total", layer="1", expert="3") is None
+    em.declare_experts([1, 3], num_experts=4)
+    for layer in ("1", "3"):
+        for expert in ("0", "3"):
+            assert value(r, "specmoe:expert_tokens_total", layer=layer, expert=expert) == 0
+            assert value(r, "specmoe:expert_stragglers_total", layer=layer, expert=expert) == 0
+    assert value(r, "specmoe:expert_tokens_total", layer="2", expert="0") is None  # not an MoE layer
+    text = em.render().decode()
+    assert 'specmoe:expert_tokens_total{expert="3",layer="3",model_name="tiny-moe"} 0.0' in text
+    em.record_expert_call(layer=3, expert=3, num_tokens=5, latency_s=0.001)
+    assert value(r, "specmoe:expert_tokens_total", layer="3", expert="3") == 5
