@@ -80,6 +80,14 @@ class ActorGraph:
         self._janitor = threading.Thread(target=self._janitor_loop, name=f"{name}-graph-janitor", daemon=True)
         self._janitor.start()
 
+    @classmethod
+    def from_config(cls, name: str, members: Callable[[], tuple[list, str]], warmup: Callable[[int], Any],
+                    config) -> ActorGraph:
+        """Timeout, idle teardown, channel size and build delay from an ``ExpertPoolConfig``
+        (the ``experts`` section: one set of graph settings for the expert and draft graphs)."""
+        return cls(name, members, warmup, config.call_timeout_s, config.graph_idle_teardown_s,
+                   config.graph_buffer_size_bytes, config.graph_build_after_s)
+
     @property
     def live(self) -> bool:
         return self._dag is not None
@@ -112,7 +120,7 @@ class ActorGraph:
                 log.warning("compiled %s graph failed (%s: %s); falling back to actor calls",
                             self.name, type(e).__name__, e)
                 self._dag, self._actors = None, []
-                self._teardowns.append(_teardown_in_background(dag))
+                self._teardowns.append(_teardown_in_background(dag, self.name))
                 return None
             self.stats.executions += 1
             return results
@@ -136,7 +144,7 @@ class ActorGraph:
         if self._building or self._closed:
             return
         self._building = True
-        threading.Thread(target=self._build, name="expert-graph-build", daemon=True).start()
+        threading.Thread(target=self._build, name=f"{self.name}-graph-build", daemon=True).start()
 
     def _build(self) -> None:
         """Compile over the current members, warm up, then publish (unless closed meanwhile)."""
@@ -195,8 +203,16 @@ def _teardown(dag) -> None:
         log.debug("compiled graph teardown failed", exc_info=True)
 
 
-def _teardown_in_background(dag) -> threading.Thread:
+def _teardown_in_background(dag, name: str) -> threading.Thread:
     # Teardown waits for every actor's loop to stop; a hung actor must not stall the engine thread.
-    thread = threading.Thread(target=_teardown, args=(dag,), name="expert-graph-teardown", daemon=True)
+    thread = threading.Thread(target=_teardown, args=(dag,), name=f"{name}-graph-teardown", daemon=True)
     thread.start()
     return thread
+
+
+def kill_actor(handle) -> None:
+    """``ray.kill`` without restart; an actor already gone is fine."""
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:
+        pass

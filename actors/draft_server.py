@@ -17,7 +17,7 @@ import numpy as np
 import ray
 import torch
 
-from actors.compiled_graph import ActorGraph
+from actors.compiled_graph import ActorGraph, kill_actor
 from engine.drafters.base import DraftProposal, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -135,19 +135,18 @@ class RemoteDrafter:
     Args:
         spec: the draft actor to create.
         timeout_s: longest wait for one proposal call.
-        graph: use a compiled graph (idle teardown, channel size and build delay as for the experts:
-            see :class:`actors.compiled_graph.ActorGraph`).
+        graph_config: an ``ExpertPoolConfig`` whose graph settings the draft graph uses (see
+            :meth:`ActorGraph.from_config`); None: plain actor calls only.
     """
 
-    def __init__(self, spec: DraftActorSpec, timeout_s: float = 10.0, graph: bool = False,
-                 idle_teardown_s: float = 2.0, buffer_size_bytes: int = 1_000_000, build_after_s: float = 0.0) -> None:
+    def __init__(self, spec: DraftActorSpec, timeout_s: float = 10.0, graph_config=None) -> None:
         self.spec, self.timeout_s = spec, timeout_s
         self._released: list[str] = []
         self.num_failures = 0
         self.generation = 0
         self.member = _Member(self._make())
-        self.graph = ActorGraph("draft", lambda: ([self.member], "propose_graph"), lambda n: None, timeout_s,
-                                idle_teardown_s, buffer_size_bytes, build_after_s) if graph else None
+        self.graph = ActorGraph.from_config("draft", lambda: ([self.member], "propose_graph"), lambda n: None,
+                                            graph_config) if graph_config is not None else None
 
     def _make(self) -> ray.actor.ActorHandle:
         s = self.spec
@@ -179,20 +178,14 @@ class RemoteDrafter:
         return out
 
     def _call(self, request: tuple) -> list[dict]:
-        if self.graph is not None:
-            if self.graph.live:
-                result = self.graph.execute(request)
-                if result is not None:
-                    return result[0]
-            else:
-                self.graph.request_build()  # in the background; this step uses a plain call
+        # No live graph (building, torn down, failed): execute says so and this step uses a plain call.
+        result = self.graph.execute(request) if self.graph is not None else None
+        if result is not None:
+            return result[0]
         return ray.get(self.member.handle.propose.remote(*request), timeout=self.timeout_s)
 
     def _recreate(self) -> None:
-        try:
-            ray.kill(self.member.handle, no_restart=True)  # a hung actor keeps its model otherwise
-        except Exception:
-            pass
+        kill_actor(self.member.handle)  # a hung actor keeps its model otherwise
         self.generation += 1
         self.member = _Member(self._make())
 

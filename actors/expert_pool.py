@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from actors.compiled_graph import kill_actor
 from actors.config import ExpertPoolConfig
 from actors.expert_actor import ExpertActor
 
@@ -87,7 +88,7 @@ class ExpertPool:
         if current is not dead and current.alive:
             return current  # another coroutine already replaced it
         log.warning("expert actor %s is gone or hung; re-creating it", dead.name)
-        _kill(dead.handle)  # a hung actor would otherwise keep its weights (and GPU share) forever
+        kill_actor(dead.handle)  # a hung actor would otherwise keep its weights (and GPU share) forever
         fresh = self._make(dead.group, dead.index, dead.generation + 1)
         self.replicas[dead.group][dead.index] = fresh
         return fresh
@@ -97,11 +98,4 @@ class ExpertPool:
 
     def shutdown(self) -> None:
         for r in self.all_replicas():
-            _kill(r.handle)
-
-
-def _kill(handle: ray.actor.ActorHandle) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # already gone
-        pass
+            kill_actor(r.handle)

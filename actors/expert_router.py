@@ -102,9 +102,8 @@ class ExpertRouter:
     def __init__(self, pool: ExpertPool, dtype: torch.dtype, telemetry: NullTelemetry | None = None,
                  graph: bool = False) -> None:
         self.pool, self.dtype = pool, dtype
-        x = pool.config
-        self.graph = ActorGraph("expert", self._graph_members, lambda n: (None, [None] * n, 0.0), x.call_timeout_s,
-                                x.graph_idle_teardown_s, x.graph_buffer_size_bytes, x.graph_build_after_s) if graph else None
+        self.graph = ActorGraph.from_config("expert", self._graph_members, lambda n: (None, [None] * n, 0.0),
+                                            pool.config) if graph else None
         self.telemetry = telemetry or NullTelemetry()
         self.timeout_s = pool.config.call_timeout_s
         self.max_attempts = pool.config.max_attempts

@@ -40,5 +40,9 @@ def from_bytes(b: bytes, shape: tuple[int, ...], dtype: torch.dtype,
     return from_wire(np.frombuffer(b, dtype=_wire_dtype(dtype)).reshape(shape), dtype, device)
 
 
+_WIRE_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+                torch.bfloat16: np.dtype(np.int16), torch.float64: np.dtype(np.float64)}
+
+
 def _wire_dtype(dtype: torch.dtype) -> np.dtype:
-    return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+    return _WIRE_DTYPES[dtype]

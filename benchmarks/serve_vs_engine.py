@@ -120,7 +120,8 @@ def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: i
     pool.start()
     router = ExpertRouter(pool, torch.float32, graph=graph)
     drafter = RemoteDrafter(DraftActorSpec(e.draft_model, e.dtype, e.device, concurrency, None, None,
-                                           f"bench-unit-draft-{concurrency}-{k}", x.namespace), graph=graph) if k else None
+                                           f"bench-unit-draft-{concurrency}-{k}", x.namespace),
+                            graph_config=x if graph else None) if k else None
     target = load_model(e.model, e.dtype, e.device, experts=router)
     sched = SchedulerConfig(max_num_seqs=concurrency, max_num_batched_tokens=16384, max_waiting=1 << 20)
     engine = LLMEngine(target, drafter or NoneDrafter(), k, sched, target.config.max_position_embeddings)

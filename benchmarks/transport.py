@@ -116,6 +116,7 @@ def _idle_cpu(pids: list[int], seconds: float = 10.0) -> dict:
 
 
 def bench_draft(iters: int) -> list[dict]:
+    from actors.config import ExpertPoolConfig
     from actors.draft_server import DraftActorSpec, RemoteDrafter
     from engine.drafters.base import DraftRequest
     from engine.drafters.draft_model import DraftModelDrafter
@@ -131,7 +132,7 @@ def bench_draft(iters: int) -> list[dict]:
         for transport in ("compiled_graph", "actor_calls"):
             spec = DraftActorSpec(DRAFT, "float32", "cpu", 16, None, None, f"bench-draft-{transport}-{batch}",
                                   "specmoe")
-            drafter = RemoteDrafter(spec, graph=transport == "compiled_graph")
+            drafter = RemoteDrafter(spec, graph_config=ExpertPoolConfig() if transport == "compiled_graph" else None)
             if drafter.graph is not None:
                 _wait_live(drafter.graph)
             drafter.propose(reqs)

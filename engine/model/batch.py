@@ -20,6 +20,8 @@ class ForwardBatch:
         token_seq: ``(num_tokens,)`` int64 batch index of each token.
         token_qidx: ``(num_tokens,)`` int64 index of each token within its sequence's new tokens.
         logits_indices: ``(num_logits,)`` int64 rows of the flattened tokens that need logits.
+        slot_range: ``(first, last + 1)`` when the slots are consecutive and ascending (the KV cache
+            rows are then a view, not a gather), else None; known on the host, so no device sync.
     """
 
     input_ids: torch.Tensor
@@ -30,6 +32,7 @@ class ForwardBatch:
     token_seq: torch.Tensor
     token_qidx: torch.Tensor
     logits_indices: torch.Tensor
+    slot_range: tuple[int, int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -90,4 +93,6 @@ class ForwardBatch:
             token_seq=t(token_seq),
             token_qidx=t(token_qidx),
             logits_indices=logits_indices.to(device),
+            slot_range=(slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots)))
+            else None,
         )

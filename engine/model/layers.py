@@ -50,8 +50,8 @@ class AttentionPlan:
         token_slots: ``(num_tokens,)`` int64 KV slot of each new token.
         mask: ``(num_seqs, 1, max_q, max_kv)`` bool, True where a query may attend (causal by
             absolute position, and the sliding window if any).
-        slot_rows: a ``slice`` when the batch's slots are consecutive and ascending (the cache
-            rows are then a view, not a gathered copy), else the ``(num_seqs,)`` slot tensor.
+        slot_rows: a ``slice`` when the batch has a ``slot_range`` (the cache rows are then a view,
+            not a gathered copy), else the ``(num_seqs,)`` slot tensor.
         max_q, max_kv: longest new-token run and longest sequence after this pass.
     """
 
@@ -75,10 +75,8 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> At
     mask = key_pos[None, None, :] <= q_pos[:, :, None]
     if sliding_window is not None:
         mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    slots = batch.slots.tolist()
-    consecutive = slots == list(range(slots[0], slots[0] + num_seqs))
-    return AttentionPlan(batch.slots[batch.token_seq], mask[:, None],
-                         slice(slots[0], slots[0] + num_seqs) if consecutive else batch.slots, max_q, max_kv)
+    slot_rows = slice(*batch.slot_range) if batch.slot_range is not None else batch.slots
+    return AttentionPlan(batch.slots[batch.token_seq], mask[:, None], slot_rows, max_q, max_kv)
 
 
 def attention(

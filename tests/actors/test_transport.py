@@ -121,7 +121,7 @@ def test_idle_graph_is_torn_down_and_rebuilt_only_for_steady_traffic(served):
 @pytest.mark.parametrize("graph", [True, False], ids=["compiled_graph", "actor_call"])
 def test_remote_drafter_equals_in_process_and_survives_a_dead_actor(served, graph):
     spec = DraftActorSpec(DRAFT, "float32", "cpu", 4, None, None, f"test-draft-{graph}-{os.getpid()}", "specmoe")
-    drafter = RemoteDrafter(spec, timeout_s=10.0, graph=graph)
+    drafter = RemoteDrafter(spec, timeout_s=10.0, graph_config=ExpertPoolConfig(call_timeout_s=10.0) if graph else None)
     local = DraftModelDrafter(load_model(DRAFT, "float32", "cpu"), 4, None)
     reqs = lambda: [DraftRequest("a", list(range(5, 40)), 4), DraftRequest("b", list(range(50, 60)), 3),  # noqa: E731
                     DraftRequest("c", [7, 8, 9], 2, temperature=0.9, generator=torch.Generator().manual_seed(5))]
