@@ -120,6 +120,8 @@ def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfi
         raw["engine"]["speculative_method"] = args.speculative_method
     if args.num_speculative_tokens is not None:
         raw["engine"]["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.speculative_policy:
+        raw["engine"]["speculative_policy"] = args.speculative_policy
     try:
         return msgspec.convert(raw, ServeConfig)
     except (msgspec.ValidationError, ValueError) as e:
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative-method", choices=["draft", "ngram", "none"],
                         help="override engine.speculative_method (none: plain decoding)")
     parser.add_argument("--num-speculative-tokens", type=int, help="override engine.num_speculative_tokens")
+    parser.add_argument("--speculative-policy", choices=["adaptive", "fixed"],
+                        help="override engine.speculative_policy")
     args = parser.parse_args(argv)
     try:
         config = apply_overrides(load_yaml(args.config, ServeConfig), args)

@@ -118,7 +118,8 @@ class VerifierServer:
             drafter = NoneDrafter()
         self.router = router
         max_len = e.max_model_len or target.config.max_position_embeddings
-        return LLMEngine(target, drafter, e.num_speculative_tokens, e.scheduler, max_len, self.telemetry)
+        return LLMEngine(target, drafter, e.num_speculative_tokens, e.scheduler, max_len, self.telemetry,
+                         e.speculative_policy)
 
     async def generate(self, prompt_token_ids: list[int], params: dict, prompt: str | None = None,
                        request_id: str | None = None, carrier: dict | None = None) -> AsyncIterator[dict]:

@@ -12,6 +12,7 @@ from engine.errors import ConfigError
 from engine.loader import LoadedModel, load_model
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.scheduler import SchedulerConfig
+from engine.spec_controller import SpeculativePolicy
 
 DEFAULT_K = 4
 
@@ -24,7 +25,11 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         draft_model: draft checkpoint directory (needed by ``speculative_method="draft"``).
         speculative_method: "draft", "ngram" or None (plain decoding). Defaults to "draft" when a
             draft model is given.
-        num_speculative_tokens: default draft length k (0..16); None means 4 with a method.
+        num_speculative_tokens: default draft length k (0..16); None means 4 with a method. With
+            the adaptive policy it is the most a sequence drafts.
+        speculative_policy: "adaptive" (default) chooses each sequence's draft length per step,
+            0 included, to maximise emitted tokens per second (engine/spec_controller.py);
+            "fixed" always drafts k.
         dtype: "float32", "bfloat16" or "float16".
         device: torch device string, e.g. "cpu" or "cuda".
         max_model_len: context window; None uses the target's ``max_position_embeddings``.
@@ -36,6 +41,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     draft_model: str | None = None
     speculative_method: Literal["draft", "ngram"] | None = None
     num_speculative_tokens: int | None = None
+    speculative_policy: SpeculativePolicy = "adaptive"
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None

@@ -19,16 +19,18 @@ from collections.abc import Iterable
 import torch
 
 from engine.detokenizer import SequenceOutputState
-from engine.drafters.base import Drafter, DraftProposal, DraftRequest
+from engine.drafters.base import Drafter, DraftProposal, DraftRequest, NoneDrafter
 from engine.errors import SpecmoeError
 from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats, TokenLogprob
 from engine.sampling import make_generator, top_logprobs
-from engine.sampling_params import MAX_SEED, SamplingParams
+from engine.sampling_params import MAX_SEED, MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
+from engine.spec_controller import Decision, SpeculationController, SpeculativePolicy
+from engine.spec_cost import ActivationMeter, ExpertActivation
 from engine.verification import build_verify_batch, verify
 from kernels.rejection import PLACEHOLDER_TOKEN_ID
 
@@ -49,6 +51,8 @@ class LLMEngine:
         scheduler_config: batching limits; ``max_num_seqs`` sizes the target KV cache.
         max_model_len: context window (defaults to the target's ``max_position_embeddings``).
         observer: step/phase hooks (tracing); defaults to none.
+        speculative_policy: "adaptive" picks each sequence's draft length per step, up to its k
+            and 0 included (:mod:`engine.spec_controller`); "fixed" always drafts k.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         max_model_len: int | None = None,
         observer: StepObserver | None = None,
+        speculative_policy: SpeculativePolicy = "adaptive",
     ) -> None:
         self.target = target
         self.observer = observer or NullStepObserver()
@@ -72,6 +77,21 @@ class LLMEngine:
         self.num_steps = 0
         self.finished_by_reason: dict[str, int] = {}
         self._requests: dict[str, list[Sequence]] = {}
+        self.controller = self._build_controller(speculative_policy)
+        self.draft_length_counts = [0] * (MAX_SPECULATIVE_TOKENS + 1)  # decoding sequences by chosen k
+        self.num_spec_off_steps = 0
+
+    def _build_controller(self, policy: SpeculativePolicy) -> SpeculationController:
+        moe = self.target.config.moe
+        activation = None
+        if moe is not None and self.target.model.experts is not None:
+            # Meter the target's experts: the distinct experts a verify pass activates are the MoE
+            # part of its cost (engine.spec_cost).
+            if not isinstance(self.target.model.experts, ActivationMeter):  # a reused target has one
+                self.target.model.experts = ActivationMeter(self.target.model.experts)
+            activation = ExpertActivation(moe.num_experts, len(moe.sparse_layers), moe.top_k)
+        max_k = MAX_SPECULATIVE_TOKENS if not isinstance(self.drafter, NoneDrafter) else 0
+        return SpeculationController(max_k, policy, activation)
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -172,10 +192,15 @@ class LLMEngine:
         start = time.perf_counter()
         before = (self.stats.num_draft_tokens, self.stats.num_accepted_tokens, self.stats.num_emitted_tokens)
         with self.observer.step(sorted({s.request_id for s in seqs})) as report:
+            decision = Decision()
             try:
+                decision = self._plan(sched.prefills, sched.decodes, sched.speculate)
                 with self.observer.phase(PHASE_DRAFT):
-                    drafts = self._propose(sched.decodes, sched.speculate)
+                    t0 = time.perf_counter()
+                    drafts = self._propose(sched.decodes, decision)
+                    t1 = time.perf_counter()
                 self._verify_and_emit(sched.prefills, sched.decodes, drafts)
+                self._observe_costs(t1 - t0, time.perf_counter() - t1, drafts, sched.prefills, sched.decodes)
             except Exception:  # a failed step fails only the sequences in it; the engine keeps serving
                 log.exception("engine step failed; failing %d sequences", len(seqs))
                 drafts = {}
@@ -188,7 +213,8 @@ class LLMEngine:
                 num_accepted=self.stats.num_accepted_tokens - before[1],
                 num_emitted=self.stats.num_emitted_tokens - before[2],
                 k=max((len(p.token_ids) for p in drafts.values()), default=0),
-                duration_s=time.perf_counter() - start)
+                duration_s=time.perf_counter() - start, k_policy=decision.reason,
+                expected_tokens=decision.expected_tokens, predicted_step_s=decision.predicted_step_s)
             report(self.last_step)
         self.num_steps += 1
         return self._collect(seqs)
@@ -202,18 +228,43 @@ class LLMEngine:
         return max(0, min(seq.k, remaining, room))
 
     def _decode_cost(self, seq: Sequence, speculate: bool) -> int:
-        return 1 + self._k_for(seq, speculate)
+        return 1 + self._k_for(seq, speculate)  # the cap: the controller may choose less
 
-    def _propose(self, decodes: list[Sequence], speculate: bool) -> dict[str, DraftProposal]:
+    def _plan(self, prefills: list[Sequence], decodes: list[Sequence], speculate: bool) -> Decision:
+        """Each decoding sequence's draft length this step, from the controller."""
+        caps, fixed = {}, {}
+        for seq in decodes:  # seeded sampling keeps its k so the seed reproduces its output
+            (fixed if seq.params.seed is not None and not seq.params.greedy else caps)[seq.seq_id] = \
+                self._k_for(seq, speculate)
+        base = sum(len(s.prompt_token_ids) for s in prefills) + len(decodes)
+        decision = self.controller.plan(caps, base, len(prefills), fixed)
+        for k in decision.k.values():
+            self.draft_length_counts[k] += 1
+        if decodes and not any(decision.k.values()):
+            self.num_spec_off_steps += 1
+        return decision
+
+    def _propose(self, decodes: list[Sequence], decision: Decision) -> dict[str, DraftProposal]:
+        """Draft tokens for the sequences the decision gives k > 0; none at all otherwise (k = 0
+        skips the drafter entirely: no call, no forward, no draft probabilities)."""
         reqs = [
             DraftRequest(seq.seq_id, seq.token_ids, k, seq.params.temperature, seq.params.top_k,
                          seq.params.top_p, seq.generator)
             for seq in decodes
-            if (k := self._k_for(seq, speculate)) > 0
+            if (k := decision.k.get(seq.seq_id, 0)) > 0
         ]
         if not reqs:
             return {}
         return {r.seq_id: p for r, p in zip(reqs, self.drafter.propose(reqs))}
+
+    def _observe_costs(self, draft_s: float, target_s: float, drafts: dict[str, DraftProposal],
+                       prefills: list[Sequence], decodes: list[Sequence]) -> None:
+        """Feed the step's measured costs to the controller (draft phase; target + verify)."""
+        lengths = [len(p.token_ids) for p in drafts.values()]
+        tokens = sum(len(s.prompt_token_ids) for s in prefills) + len(decodes) + sum(lengths)
+        meter = self.target.model.experts
+        distinct = meter.take() if isinstance(meter, ActivationMeter) else None
+        self.controller.observe_step(draft_s, max(lengths, default=0), sum(lengths), target_s, tokens, distinct)
 
     def _verify_and_emit(self, prefills: list[Sequence], decodes: list[Sequence], drafts) -> None:
         seqs = prefills + decodes
@@ -243,6 +294,7 @@ class LLMEngine:
             kept_cache = starts[b] + len(new_tokens[b]) - len(draft_lists[b]) + num_acc[b]
             self.kv.truncate(seq.slot, kept_cache)
             seq.num_cached = kept_cache
+            self.controller.observe_acceptance(seq.seq_id, len(draft_lists[b]), num_acc[b])
             self._emit(seq, emitted, rows[b], len(draft_lists[b]), num_acc[b])
 
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor, num_drafted: int,
@@ -278,6 +330,7 @@ class LLMEngine:
             self.kv.free(seq.slot)
             seq.slot = None
         self.drafter.release(seq.seq_id)
+        self.controller.release(seq.seq_id)
         seq.completion.finish_reason = reason
         seq.completion.stop_reason = stop_reason
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
@@ -303,4 +356,6 @@ class LLMEngine:
             "num_waiting": self.num_waiting,
             "kv_slots_used": self.kv.num_used,
             "kv_cache_usage": self.kv.usage(),
+            "draft_length_counts": list(self.draft_length_counts),
+            "num_spec_off_steps": self.num_spec_off_steps,
         }

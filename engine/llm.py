@@ -20,7 +20,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     target = load_model(args.model, args.dtype, args.device)
     max_len = args.max_model_len or target.config.max_position_embeddings
     drafter = args.build_drafter(target, max_len)
-    return LLMEngine(target, drafter, args.num_speculative_tokens, args.scheduler, max_len)
+    return LLMEngine(target, drafter, args.num_speculative_tokens, args.scheduler, max_len,
+                     speculative_policy=args.speculative_policy)
 
 
 class LLM:
@@ -28,7 +29,8 @@ class LLM:
 
     Args:
         model: target checkpoint directory.
-        draft_model, speculative_method, num_speculative_tokens, dtype, device, max_model_len: see
+        draft_model, speculative_method, num_speculative_tokens, speculative_policy, dtype, device,
+            max_model_len: see
             :class:`engine.args.EngineArgs`.
         max_num_seqs, max_num_batched_tokens, spec_disable_batch_size: scheduler limits.
 
@@ -44,6 +46,7 @@ class LLM:
         draft_model: str | None = None,
         speculative_method: str | None = None,
         num_speculative_tokens: int | None = None,
+        speculative_policy: str = "adaptive",
         dtype: str = "float32",
         device: str = "cpu",
         max_model_len: int | None = None,
@@ -54,7 +57,8 @@ class LLM:
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_waiting=1 << 20, spec_disable_batch_size=spec_disable_batch_size)
         self.args = EngineArgs(model=model, draft_model=draft_model, speculative_method=speculative_method,
-                               num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
+                               num_speculative_tokens=num_speculative_tokens,
+                               speculative_policy=speculative_policy, dtype=dtype, device=device,
                                max_model_len=max_model_len, scheduler=sched)
         self.engine = build_engine(self.args)
         self.tokenizer = self.engine.target.tokenizer

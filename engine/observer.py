@@ -29,6 +29,9 @@ class StepStats:
         num_emitted: output tokens emitted.
         k: largest draft length in the step (0 when nothing was drafted).
         duration_s: wall-clock seconds of the step.
+        k_policy: how draft lengths were chosen ("fixed", "warmup", "probe", "adaptive").
+        expected_tokens: tokens the speculation controller expected the step to emit.
+        predicted_step_s: step seconds the controller predicted for its choice (0: no prediction).
     """
 
     batch_size: int = 0
@@ -38,6 +41,9 @@ class StepStats:
     num_emitted: int = 0
     k: int = 0
     duration_s: float = 0.0
+    k_policy: str = "fixed"
+    expected_tokens: float = 0.0
+    predicted_step_s: float = 0.0
 
 
 class StepObserver(Protocol):

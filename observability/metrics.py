@@ -32,6 +32,8 @@ P = "specmoe:"
 EXPERT_LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                             0.25, 0.5, 1.0, 2.5, 5.0)
 # max/mean tokens per expert: 1 = perfectly balanced, num_experts = everything on one expert.
+# Draft length the speculation controller chose for a decoding sequence in one step (0 = not drafted).
+DRAFT_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 IMBALANCE_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 
 
@@ -77,6 +79,12 @@ class EngineMetrics:
         self._per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos_total",
                                 "Accepted draft tokens by draft position (0 = first drafted token).",
                                 m + ["position"], registry=r)
+        self._draft_length = Histogram(P + "spec_decode_draft_length",
+                                       "Draft length chosen per decoding sequence and step (0 = not drafted).",
+                                       m, buckets=DRAFT_LENGTH_BUCKETS, registry=r).labels(model_name)
+        self._spec_off_steps = Counter(P + "spec_decode_off_steps_total",
+                                       "Engine steps with decoding sequences in which nothing was drafted.",
+                                       m, registry=r).labels(model_name)
         le = m + ["layer", "expert"]
         self._expert_tokens = Counter(P + "expert_tokens_total", "Tokens processed per expert (expert calls).",
                                       le, registry=r)
@@ -128,10 +136,20 @@ class EngineMetrics:
         old_pos = list(prev.get("accepted_per_position") or [])
         per_pos = [_delta(c, old_pos[i] if i < len(old_pos) else 0) for i, c in enumerate(cur_pos)]
         self.record_step(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"], per_pos)
+        self._record_draft_lengths(totals.get("draft_length_counts") or [], prev.get("draft_length_counts") or [])
+        off = _delta(totals.get("num_spec_off_steps", 0), prev.get("num_spec_off_steps", 0))
+        if off:
+            self._spec_off_steps.inc(off)
         self._last_totals = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in totals.items()}
         if "num_running" in totals:
             self.set_engine_state(int(totals["num_running"]), int(totals.get("num_waiting", 0)),
                                   float(totals.get("kv_cache_usage", 0.0)))
+
+    def _record_draft_lengths(self, cur: Sequence[int], old: Sequence[int]) -> None:
+        """``cur[k]``: decoding sequences that drafted k tokens in a step, cumulative."""
+        for k, c in enumerate(cur):
+            for _ in range(_delta(c, old[k] if k < len(old) else 0)):
+                self._draft_length.observe(k)
 
     @safe
     def record_dispatch(self, layer: int, tokens_per_expert: Sequence[int] | Mapping[int, int],

@@ -79,6 +79,10 @@ STEP_K: Final = "specmoe.step.k"  # draft length used this step (max over the ba
 STEP_NUM_DRAFTED_TOKENS: Final = "specmoe.step.num_drafted_tokens"
 STEP_NUM_ACCEPTED_TOKENS: Final = "specmoe.step.num_accepted_tokens"
 STEP_NUM_EMITTED_TOKENS: Final = "specmoe.step.num_emitted_tokens"
+# The speculation controller's decision (engine.spec_controller): how k was chosen, what it expected.
+STEP_K_POLICY: Final = "specmoe.step.k_policy"  # fixed | warmup | probe | adaptive
+STEP_EXPECTED_TOKENS: Final = "specmoe.step.expected_tokens"
+STEP_PREDICTED_DURATION_MS: Final = "specmoe.step.predicted_duration_ms"
 REQUEST_ID: Final = "specmoe.request.id"  # attribute of a step's link to a request's trace
 
 SPAN_DRAFT_PROPOSE: Final = "specmoe.draft.propose"  # verifier side of the draft call
@@ -148,7 +152,8 @@ def gen_ai_response_attributes(
 
 def step_attributes(stats) -> dict[str, object]:
     """Step span attributes of one engine step (``engine.observer.StepStats``: batch_size,
-    num_prefills, k, num_drafted, num_accepted, num_emitted)."""
+    num_prefills, k, num_drafted, num_accepted, num_emitted, and the controller's k_policy,
+    expected_tokens and predicted_step_s)."""
     return {
         STEP_BATCH_SIZE: stats.batch_size,
         STEP_NUM_PREFILLS: stats.num_prefills,
@@ -156,4 +161,7 @@ def step_attributes(stats) -> dict[str, object]:
         STEP_NUM_DRAFTED_TOKENS: stats.num_drafted,
         STEP_NUM_ACCEPTED_TOKENS: stats.num_accepted,
         STEP_NUM_EMITTED_TOKENS: stats.num_emitted,
+        STEP_K_POLICY: stats.k_policy,
+        STEP_EXPECTED_TOKENS: stats.expected_tokens,
+        STEP_PREDICTED_DURATION_MS: stats.predicted_step_s * 1e3,
     }

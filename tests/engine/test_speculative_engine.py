@@ -15,11 +15,13 @@ MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
-def make_engine(drafter_name: str, k: int, max_num_seqs: int) -> LLMEngine:
+def make_engine(drafter_name: str, k: int, max_num_seqs: int, policy: str = "fixed") -> LLMEngine:
+    """Fixed k by default: these tests prove losslessness for each k (tests/engine/
+    test_adaptive_speculation.py covers the adaptive controller)."""
     drafter = {"none": NoneDrafter, "ngram": NgramDrafter,
                "draft": lambda: DraftModelDrafter(loaded_draft(), max_num_seqs, 1024)}[drafter_name]()
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_waiting=1000)
-    return LLMEngine(loaded_target(), drafter, k, sched)
+    return LLMEngine(loaded_target(), drafter, k, sched, speculative_policy=policy)
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], params=GREEDY, per_step: int = 3) -> list:

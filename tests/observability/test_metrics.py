@@ -113,6 +113,18 @@ def test_sync_from_engine_turns_totals_into_deltas():
     assert value(r, "specmoe:expert_call_latency_seconds_count", layer="1") == 1
 
 
+def test_chosen_draft_lengths_and_off_steps_come_from_engine_totals():
+    em = EngineMetrics("tiny-moe")
+    r = em.registry
+    em.sync_from_engine({"draft_length_counts": [2, 0, 1], "num_spec_off_steps": 1})
+    em.sync_from_engine({"draft_length_counts": [3, 0, 1, 0, 4], "num_spec_off_steps": 2})
+    assert value(r, "specmoe:spec_decode_draft_length_count") == 8
+    assert value(r, "specmoe:spec_decode_draft_length_sum") == 2 + 16
+    assert value(r, "specmoe:spec_decode_draft_length_bucket", le="0.0") == 3
+    assert value(r, "specmoe:spec_decode_draft_length_bucket", le="2.0") == 4
+    assert value(r, "specmoe:spec_decode_off_steps_total") == 2
+
+
 def test_recording_never_raises_and_duplicate_registration_falls_back():
     em = EngineMetrics("tiny-moe")
     assert em.record_expert_call("x", None, "many", "slow") is None

@@ -178,11 +178,12 @@ def test_step_attributes_and_otel_env_vars(clean_env):
     from observability import otel_env_vars
 
     stats = StepStats(batch_size=3, num_prefills=1, num_drafted=8, num_accepted=5, num_emitted=8, k=4,
-                      duration_s=0.01)
+                      duration_s=0.01, k_policy="adaptive", expected_tokens=7.5, predicted_step_s=0.012)
     assert sc.step_attributes(stats) == {
         "specmoe.step.batch_size": 3, "specmoe.step.num_prefills": 1, "specmoe.step.k": 4,
         "specmoe.step.num_drafted_tokens": 8, "specmoe.step.num_accepted_tokens": 5,
-        "specmoe.step.num_emitted_tokens": 8,
+        "specmoe.step.num_emitted_tokens": 8, "specmoe.step.k_policy": "adaptive",
+        "specmoe.step.expected_tokens": 7.5, "specmoe.step.predicted_duration_ms": 12.0,
     }
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
     assert otel_env_vars()["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4318"

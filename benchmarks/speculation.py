@@ -1,0 +1,99 @@
+"""In-process speculation sweep: adaptive draft length vs fixed k vs plain decoding, per batch size.
+
+    python benchmarks/speculation.py --batches 1,2,4,8,16 --num-prompts 32 --max-tokens 64 \
+        --save-result benchmarks/results/speculation.json
+
+Output tokens/s (greedy, or ``--temperature``) of the engine on the held-out prompts with
+``--speculative-method none`` (the baseline), fixed k in ``--fixed-ks`` and the adaptive
+controller (``speculative_policy: adaptive``, k at most ``--max-k``). Every configuration runs
+``--repeats`` times, interleaved (A B C A B C ...) so machine drift hits all alike; the median
+run counts. Ratios are against ``none`` at the same batch size, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import DRAFT, TARGET, Timer, load_prompts, machine, print_table, save_json  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def build(name: str, k: int, batch: int) -> LLM:
+    method, policy = (None, "fixed") if name == "none" else ("draft", "adaptive" if name == "adaptive" else "fixed")
+    return LLM(TARGET, draft_model=DRAFT if method else None, speculative_method=method,
+               num_speculative_tokens=k if method else 0, speculative_policy=policy,
+               max_num_seqs=batch, max_num_batched_tokens=16384)
+
+
+def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float, dict]:
+    before = llm.get_metrics()
+    with Timer() as t:
+        outs = llm.generate(prompts, params)
+    after = llm.get_metrics()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    counts = [a - b for a, b in zip(after["draft_length_counts"], before["draft_length_counts"])]
+    return tokens, t.elapsed_s, {"k_counts": counts,
+                                 "drafted": after["num_draft_tokens"] - before["num_draft_tokens"],
+                                 "accepted": after["num_accepted_tokens"] - before["num_accepted_tokens"]}
+
+
+def sweep_batch(prompts, batch: int, configs: list[tuple[str, int]], params: SamplingParams, repeats: int):
+    engines = {c: build(c[0], c[1], batch) for c in configs}
+    for llm in engines.values():
+        llm.generate(prompts[: max(batch, 2)], params)  # warm-up (and the controller's warm-up)
+    times: dict = {c: [] for c in configs}
+    extra: dict = {}
+    for _ in range(repeats):
+        for c, llm in engines.items():
+            tokens, seconds, info = run_once(llm, prompts, params)
+            times[c].append(seconds)
+            extra[c] = (tokens, info)
+    rows = []
+    for c in configs:
+        tokens, info = extra[c]
+        seconds = statistics.median(times[c])
+        mean_k = sum(k * n for k, n in enumerate(info["k_counts"])) / max(1, sum(info["k_counts"]))
+        rows.append({"batch": batch, "config": c[0] if c[0] in ("none", "adaptive") else f"k={c[1]}",
+                     "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+                     "mean_k": mean_k, "acceptance": info["accepted"] / info["drafted"] if info["drafted"] else None})
+    base = next(r["tok_per_s"] for r in rows if r["config"] == "none")
+    for r in rows:
+        r["vs_none"] = r["tok_per_s"] / base
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--fixed-ks", default="2,4,6")
+    parser.add_argument("--max-k", type=int, default=8, help="the adaptive controller's maximum k")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--save-result")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    tok = LLM(TARGET).tokenizer
+    prompts = [tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in load_prompts(args.num_prompts)]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
+    configs = [("none", 0)] + [("fixed", int(k)) for k in args.fixed_ks.split(",")] + [("adaptive", args.max_k)]
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        rows += sweep_batch(prompts, batch, configs, params, args.repeats)
+        print_table(rows[-len(configs):], ["batch", "config", "tok_per_s", "vs_none", "mean_k", "acceptance"])
+    print()
+    print_table(rows, ["batch", "config", "tokens", "seconds", "tok_per_s", "vs_none", "mean_k", "acceptance"])
+    save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

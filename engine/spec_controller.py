@@ -1,0 +1,248 @@
+"""Adaptive draft length: pick k per sequence each step so the step emits the most tokens per second.
+
+For a step with decoding sequences ``s`` drafting ``k_s`` tokens, the expected emitted tokens are
+``sum_s E_s(k_s)`` with ``E_s(k) = 1 + sum_{i<=k} prod_{j<=i} a_{s,j}`` (Leviathan et al. 2023,
+eq. 1 generalised to per-position acceptance ``a_{s,j}``), and the step time is
+
+    T = T_draft(passes = max k_s, drafted = sum k_s)
+      + T_target(tokens = base + sum k_s, experts = distinct experts those tokens activate)
+
+with both parts learned online from measured steps (:mod:`engine.spec_cost`). The controller
+maximises ``(sum E_s + prefills) / T``. Gains ``prod_{j<=i} a_{s,j}`` fall with ``i``, so the best
+allocation for any total ``n`` of draft tokens takes the ``n`` largest gains; every ``n`` is scored
+at once (vectorised) and the best wins, ``n = 0`` included: then nothing is drafted at all.
+
+Acceptance: per sequence and position, exponentially decayed counts shrunk toward a server-wide
+estimate, which is itself shrunk toward the position before it (deep positions inherit shallow
+ones until they are observed). Hysteresis keeps speculation on or off unless the other choice is
+``hysteresis`` better; a warm-up cycles k to make the cost model identifiable; a probe leaves
+k = 0 every ``probe_interval_steps`` so estimates never go stale.
+
+Only draft *lengths* change, never how tokens are verified, so output stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from engine.spec_cost import ExpertActivation, OnlineLinearCost
+
+SpeculativePolicy = Literal["adaptive", "fixed"]
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """Tuning of :class:`SpeculationController` (defaults measured on the bundled pair).
+
+    Attributes:
+        warmup_steps: decode steps that cycle k through ``max, 1, max / 2, 0`` before adapting
+            (:meth:`SpeculationController._warmup_k`).
+        probe_interval_steps: after this many steps with speculation off, one step drafts
+            ``probe_k`` tokens per sequence to refresh acceptance and draft-cost estimates.
+        probe_k: draft length of a probe step.
+        hysteresis: relative rate gain needed to switch speculation on or off.
+        acceptance_prior: server-wide acceptance at position 0 before anything is observed.
+        prior_weight: pseudo-observations of the server-wide estimate in a sequence's estimate.
+        sequence_decay, global_decay: per-observation decay of acceptance counts.
+    """
+
+    warmup_steps: int = 8
+    probe_interval_steps: int = 16
+    probe_k: int = 2
+    hysteresis: float = 0.05
+    acceptance_prior: float = 0.6
+    prior_weight: float = 3.0
+    sequence_decay: float = 0.9
+    global_decay: float = 0.995
+
+
+@dataclass
+class Decision:
+    """What the controller chose for one step and why (span attributes, metrics).
+
+    Attributes:
+        k: draft length per sequence id (0: not drafted).
+        reason: "fixed", "warmup", "probe" or "adaptive".
+        expected_tokens: predicted emitted tokens of the step.
+        predicted_step_s: predicted step seconds (draft + target + verify).
+    """
+
+    k: dict[str, int] = field(default_factory=dict)
+    reason: str = "fixed"
+    expected_tokens: float = 0.0
+    predicted_step_s: float = 0.0
+
+
+class _Acceptance:
+    """Decayed (accepted, tried) counts per draft position."""
+
+    def __init__(self, max_k: int, decay: float) -> None:
+        self.accepted = np.zeros(max_k)
+        self.tried = np.zeros(max_k)
+        self.decay = decay
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        seen = min(num_drafted, num_accepted + 1)  # positions past the first rejection are unseen
+        self.accepted[:seen] *= self.decay
+        self.tried[:seen] *= self.decay
+        self.tried[:seen] += 1.0
+        self.accepted[:num_accepted] += 1.0
+
+
+class SpeculationController:
+    """Chooses each decoding sequence's draft length per step.
+
+    Args:
+        max_k: the configured draft length; no sequence drafts more (its own cap may be lower).
+        policy: "adaptive" (this controller) or "fixed" (every sequence drafts its cap).
+        activation: expert-activation model of the target (distinct experts per token count).
+        settings: tuning; defaults are fine.
+    """
+
+    def __init__(self, max_k: int, policy: SpeculativePolicy = "adaptive",
+                 activation: ExpertActivation | None = None, settings: ControllerSettings | None = None) -> None:
+        self.max_k, self.policy = max_k, policy
+        self.settings = settings or ControllerSettings()
+        self.activation = activation or ExpertActivation(0, 0, 1)
+        self.draft_cost = OnlineLinearCost(3)  # [1, passes, drafted tokens]
+        self.target_cost = OnlineLinearCost(3)  # [1, target tokens, distinct experts]
+        self._global = _Acceptance(max_k, self.settings.global_decay)
+        self._seqs: dict[str, _Acceptance] = {}
+        self._decode_steps = 0
+        self._off_steps = 0
+        self._on = True
+        self.last = Decision()
+
+    # ------------------------------------------------------------------ decisions
+    def plan(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int = 0,
+             fixed: dict[str, int] | None = None) -> Decision:
+        """Draft lengths for this step.
+
+        Args:
+            caps: per decoding sequence id, the most it may draft (its own k, max_tokens, context).
+            num_base_tokens: target tokens of the step without drafts (prefill tokens + one per
+                decoding sequence, the ``fixed`` ones included).
+            num_prefills: prefilling sequences (each emits one token).
+            fixed: sequences whose draft length is not the controller's to choose (seeded sampling:
+                the random draws a step consumes depend on k, so a seed reproduces its output only
+                with a k schedule that does not depend on the batch); they draft their cap and are
+                counted in the step's cost.
+        """
+        fixed = fixed or {}
+        if self.policy == "fixed" or self.max_k == 0 or not caps or not any(caps.values()):
+            self.last = Decision({**caps, **fixed}, "fixed")
+            return self.last
+        self._decode_steps += 1
+        s = self.settings
+        if self._decode_steps <= s.warmup_steps:
+            decision = Decision(self._warmup_k(caps), "warmup")
+        elif not self._on and self._off_steps >= s.probe_interval_steps:
+            decision = Decision({sid: min(c, s.probe_k) for sid, c in caps.items()}, "probe")
+        else:
+            decision = self._optimise(caps, num_base_tokens, num_prefills, fixed)
+        drafted = sum(decision.k.values())
+        decision.k.update(fixed)
+        self._on = drafted > 0
+        self._off_steps = 0 if self._on else self._off_steps + 1
+        self.last = decision
+        return decision
+
+    def _warmup_k(self, caps: dict[str, int]) -> dict[str, int]:
+        """Cycle k through ``max, 1, max / 2, 0``: on odd steps every sequence alike, on even steps
+        staggered per sequence, so passes, drafted tokens and verified tokens vary independently
+        and the cost model can tell them apart."""
+        cycle = (self.max_k, 1, max(1, self.max_k // 2), 0)
+        t = self._decode_steps - 1
+        stagger = t % 2
+        return {sid: min(c, cycle[(t // 2 + stagger * i) % len(cycle)]) for i, (sid, c) in enumerate(caps.items())}
+
+    def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
+                  fixed: dict[str, int]) -> Decision:
+        ids = list(caps)
+        gains = self._gains(ids, caps)  # (B, max_k), zero beyond each cap
+        flat = gains.ravel()
+        order = np.lexsort((np.tile(np.arange(self.max_k), len(ids)), -flat))  # by gain, then position
+        order = order[flat[order] > 0]
+        n = np.arange(len(order) + 1)  # n = draft tokens in total, 0..all
+        fixed_ids = list(fixed)
+        fixed_gain = float(self._gains(fixed_ids, fixed).sum()) if fixed_ids else 0.0
+        expected = len(ids) + len(fixed) + num_prefills + fixed_gain + np.concatenate(([0.0], np.cumsum(flat[order])))
+        positions = order % self.max_k + 1
+        passes = np.concatenate(([0], np.maximum.accumulate(positions))) if len(order) else np.zeros(1)
+        passes = np.maximum(passes, max(fixed.values(), default=0))
+        drafted = n + sum(fixed.values())
+        tokens = num_base_tokens + drafted
+        ones = np.ones(len(n))
+        draft_s = np.where(drafted > 0, self.draft_cost.predict(np.stack([ones, passes, drafted], 1)), 0.0)
+        target_s = self.target_cost.predict(np.stack([ones, tokens, self.activation.predict(tokens)], 1))
+        step_s = np.maximum(draft_s + target_s, 1e-6)
+        rate = expected / step_s
+        best = int(np.argmax(rate))
+        best_on = int(np.argmax(rate[1:])) + 1 if len(n) > 1 else 0
+        h = self.settings.hysteresis
+        if best == 0 and self._on and best_on and rate[best_on] * (1 + h) >= rate[0]:
+            best = best_on  # stay on unless off is clearly better
+        elif best > 0 and not self._on and rate[best] < rate[0] * (1 + h):
+            best = 0  # stay off unless on is clearly better
+        rows = order[:best] // self.max_k
+        k = dict.fromkeys(ids, 0)
+        for row in rows:
+            k[ids[row]] += 1
+        return Decision(k, "adaptive", float(expected[best]), float(step_s[best]))
+
+    def acceptance(self, seq_id: str | None = None) -> np.ndarray:
+        """Estimated acceptance per draft position ``(max_k,)`` in [0, 1]: the server-wide one, or
+        one sequence's (shrunk toward the server-wide estimate)."""
+        g, w = self._global, self.settings.prior_weight
+        glob = np.empty(self.max_k)
+        prev = self.settings.acceptance_prior
+        for j in range(self.max_k):  # each position shrunk toward the one before it
+            prev = glob[j] = (g.accepted[j] + w * prev) / (g.tried[j] + w)
+        seq = self._seqs.get(seq_id) if seq_id is not None else None
+        if seq is None:
+            return glob
+        return (seq.accepted + w * glob) / (seq.tried + w)
+
+    def _gains(self, ids: list[str], caps: dict[str, int]) -> np.ndarray:
+        glob = self.acceptance()
+        rows = []
+        for sid in ids:
+            seq = self._seqs.get(sid)
+            a = glob if seq is None else (seq.accepted + self.settings.prior_weight * glob) / (
+                seq.tried + self.settings.prior_weight)
+            row = np.cumprod(a)
+            row[min(caps[sid], self.max_k):] = 0.0
+            rows.append(row)
+        return np.stack(rows)
+
+    # ------------------------------------------------------------------ feedback
+    def observe_acceptance(self, seq_id: str, num_drafted: int, num_accepted: int) -> None:
+        """One verification of ``num_drafted`` tokens, the first ``num_accepted`` accepted."""
+        if num_drafted <= 0 or self.max_k == 0:
+            return
+        num_drafted = min(num_drafted, self.max_k)
+        num_accepted = min(num_accepted, num_drafted)
+        self._global.observe(num_drafted, num_accepted)
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = _Acceptance(self.max_k, self.settings.sequence_decay)
+        seq.observe(num_drafted, num_accepted)
+
+    def observe_step(self, draft_s: float, passes: int, num_drafted: int, target_s: float,
+                     num_target_tokens: int, distinct_experts: int | None) -> None:
+        """Measured costs of one step: the draft phase (0 s when nothing was drafted) and the
+        target forward plus verification, with the distinct (layer, expert) pairs it activated."""
+        if num_drafted > 0:
+            self.draft_cost.observe([1.0, passes, num_drafted], draft_s)
+        if distinct_experts is not None:
+            self.activation.observe(num_target_tokens, distinct_experts)
+        experts = float(self.activation.predict(np.asarray([num_target_tokens]))[0]) \
+            if distinct_experts is None else float(distinct_experts)
+        self.target_cost.observe([1.0, num_target_tokens, experts], target_s)
+
+    def release(self, seq_id: str) -> None:
+        """Forget a finished sequence's estimates."""
+        self._seqs.pop(seq_id, None)

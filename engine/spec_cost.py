@@ -1,0 +1,124 @@
+"""Online step-cost models for the speculation controller (:mod:`engine.spec_controller`).
+
+Step time is learned from the steps the engine actually runs, never from constants:
+
+- :class:`OnlineLinearCost`: exponentially weighted ridge regression ``t = theta . x`` with
+  non-negative coefficients, refreshed after every step (recursive least squares with forgetting,
+  solved from its sufficient statistics so a badly conditioned start cannot run away).
+- :class:`ExpertActivation`: how many distinct experts a forward over ``T`` tokens activates.
+  Under top-k routing each token picks ``top_k`` of ``E`` experts; with an effective per-token
+  activation probability ``p`` per expert, ``E[distinct] = E * (1 - (1 - p)^T)`` per MoE layer.
+  ``p`` is fitted online from observed (tokens, distinct) pairs, so routing skew (hot experts)
+  shows up as a smaller ``p`` than the uniform ``top_k / E``. This is the MoE effect on verify
+  cost: more verified tokens touch more experts (Cascade; MoE-Spec), until all are active.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class OnlineLinearCost:
+    """``seconds ~= theta . features`` fitted online; ``theta >= 0``.
+
+    Args:
+        num_features: length of every feature vector (include a constant 1 for a fixed cost).
+        forgetting: weight kept by past observations per new one (0 < f <= 1); 0.97 forgets
+            a step's influence after ~30 steps, so the model follows load changes.
+        ridge: regulariser, relative to each feature's weighted energy (diagonal of the Gram matrix).
+    """
+
+    def __init__(self, num_features: int, forgetting: float = 0.97, ridge: float = 1e-3) -> None:
+        self.xtx = np.zeros((num_features, num_features))
+        self.xty = np.zeros(num_features)
+        self.forgetting, self.ridge = forgetting, ridge
+        self.num_observations = 0
+        self.theta = np.zeros(num_features)
+
+    def observe(self, features: list[float], seconds: float) -> None:
+        """Add one measured step: ``features`` (len num_features), ``seconds`` its duration."""
+        x = np.asarray(features, dtype=np.float64)
+        self.xtx = self.forgetting * self.xtx + np.outer(x, x)
+        self.xty = self.forgetting * self.xty + x * seconds
+        self.num_observations += 1
+        self.theta = self._solve()
+
+    def _solve(self) -> np.ndarray:
+        n = len(self.xty)
+        # Ridge per feature, scaled by that feature's own energy: units-free, and a feature never
+        # seen (all zeros so far) gets a zero coefficient instead of a singular system.
+        reg = np.diag(self.ridge * np.diag(self.xtx) + 1e-12)
+        theta = np.linalg.solve(self.xtx + reg, self.xty)
+        # A negative marginal cost is an artefact of collinear features: drop it and refit the rest.
+        for _ in range(n):
+            neg = theta < 0
+            if not neg.any():
+                break
+            keep = ~neg
+            theta = np.zeros(n)
+            if keep.any():
+                sub = self.xtx[np.ix_(keep, keep)] + reg[np.ix_(keep, keep)]
+                theta[keep] = np.linalg.solve(sub, self.xty[keep])
+        return np.maximum(theta, 0.0)
+
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """Seconds for each row of ``features`` ``(N, num_features)`` -> ``(N,)``."""
+        return features @ self.theta
+
+
+class ExpertActivation:
+    """Distinct experts activated per forward, as a function of its token count.
+
+    Args:
+        num_experts: routed experts per MoE layer ``E`` (0 for a dense target: always 0).
+        num_moe_layers: MoE layers ``L``; counts are totals over layers.
+        top_k: experts per token; ``top_k / E`` is the prior activation probability.
+        smoothing: EMA weight of a new observation of ``p``.
+    """
+
+    def __init__(self, num_experts: int, num_moe_layers: int, top_k: int, smoothing: float = 0.1) -> None:
+        self.num_experts, self.num_layers = num_experts, num_moe_layers
+        self.p = min(1.0, top_k / num_experts) if num_experts else 0.0
+        self.smoothing = smoothing
+
+    def observe(self, num_tokens: int, distinct_total: int) -> None:
+        """One forward: ``num_tokens`` tokens activated ``distinct_total`` (layer, expert) pairs."""
+        if not self.num_experts or num_tokens <= 0 or not self.num_layers:
+            return
+        frac = min(distinct_total / (self.num_layers * self.num_experts), 1.0 - 1e-6)
+        p = 1.0 - (1.0 - frac) ** (1.0 / num_tokens)  # invert E[distinct] = E (1 - (1 - p)^T)
+        self.p += self.smoothing * (p - self.p)
+
+    def predict(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Expected distinct (layer, expert) pairs for each token count ``(N,)`` -> ``(N,)``."""
+        if not self.num_experts:
+            return np.zeros_like(num_tokens, dtype=np.float64)
+        return self.num_layers * self.num_experts * (1.0 - (1.0 - self.p) ** num_tokens)
+
+
+class ActivationMeter:
+    """An :class:`engine.model.moe.ExpertExecutor` wrapper counting distinct (layer, expert) pairs.
+
+    The count stays on the routing's device until :meth:`take` (once per step, after the step's
+    results were copied to the host anyway), so metering adds no device sync inside the forward.
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self._active: list = []
+
+    def execute(self, layer: int, hidden, routing):
+        self._active.append((routing.expert_counts > 0).sum())
+        return self.inner.execute(layer, hidden, routing)
+
+    def take(self) -> int | None:
+        """Distinct (layer, expert) pairs since the last call; None if no MoE layer ran."""
+        if not self._active:
+            return None
+        total = int(torch.stack(self._active).sum())
+        self._active.clear()
+        return total
+
+    def __getattr__(self, name: str):  # the wrapped executor's other attributes (stats, close)
+        return getattr(self.inner, name)

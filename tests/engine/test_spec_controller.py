@@ -1,0 +1,129 @@
+"""The speculation controller on synthetic costs: it must find the k a known cost model makes best."""
+
+import numpy as np
+import pytest
+
+from engine.spec_controller import ControllerSettings, SpeculationController
+from engine.spec_cost import ExpertActivation, OnlineLinearCost
+
+
+class SyntheticStep:
+    """Known step costs: draft = d_pass * passes + d_tok * drafted (+ d0 when drafting);
+    target = c0 + c_tok * tokens + c_exp * distinct experts (uniform top-k routing)."""
+
+    def __init__(self, d0=0.0, d_pass=0.001, d_tok=0.0, c0=0.01, c_tok=0.0, c_exp=0.0,
+                 experts=(0, 0, 1)):
+        self.d = (d0, d_pass, d_tok)
+        self.c = (c0, c_tok, c_exp)
+        self.num_experts, self.layers, self.top_k = experts
+
+    def distinct(self, tokens: int) -> int:
+        if not self.num_experts:
+            return 0
+        p = self.top_k / self.num_experts
+        return round(self.layers * self.num_experts * (1 - (1 - p) ** tokens))
+
+    def run(self, controller, caps, acceptance, rng, steps):
+        """Drive ``steps`` steps; ``acceptance[sid]`` is each sequence's true per-token acceptance."""
+        for _ in range(steps):
+            decision = controller.plan(caps, len(caps))
+            ks = list(decision.k.values())
+            drafted, passes = sum(ks), max(ks)
+            draft_s = (self.d[0] + self.d[1] * passes + self.d[2] * drafted) if drafted else 0.0
+            tokens = len(caps) + drafted
+            distinct = self.distinct(tokens) if self.num_experts else None
+            target_s = self.c[0] + self.c[1] * tokens + self.c[2] * (distinct or 0)
+            controller.observe_step(draft_s, passes, drafted, target_s, tokens, distinct)
+            for sid, k in decision.k.items():
+                accepted = 0
+                while accepted < k and rng.random() < acceptance[sid]:
+                    accepted += 1
+                controller.observe_acceptance(sid, k, accepted)
+        return decision
+
+
+def controller(max_k=8, experts=None, **settings):
+    activation = ExpertActivation(*experts) if experts else None
+    return SpeculationController(max_k, "adaptive", activation, ControllerSettings(**settings))
+
+
+def test_expensive_draft_turns_speculation_off():
+    sim = SyntheticStep(d_pass=0.02, c0=0.01, c_tok=0.0005)  # a draft pass costs 2 target steps
+    caps = {f"s{i}": 8 for i in range(4)}
+    decision = sim.run(controller(), caps, dict.fromkeys(caps, 0.5), np.random.default_rng(0), 60)
+    assert decision.reason == "adaptive"
+    assert decision.k == dict.fromkeys(caps, 0)
+
+
+def test_high_acceptance_and_flat_verify_drafts_the_maximum():
+    sim = SyntheticStep(d_pass=0.0002, c0=0.01)  # cheap draft, verify cost flat in tokens
+    caps = {f"s{i}": 8 for i in range(4)}
+    decision = sim.run(controller(), caps, dict.fromkeys(caps, 0.95), np.random.default_rng(1), 80)
+    assert decision.k == dict.fromkeys(caps, 8)
+    assert decision.expected_tokens > 4 * 5  # 4 sequences x E[tokens | k = 8, a = 0.95] ~ 7
+
+
+def test_verify_cost_of_activated_experts_shortens_drafts():
+    """The MoE effect: each extra verified token activates more experts; k must come down."""
+    caps = {f"s{i}": 8 for i in range(2)}
+    acceptance = dict.fromkeys(caps, 0.75)
+    flat = SyntheticStep(d_pass=0.0001, c0=0.004)  # best k: 8 (rate 771 tok/s vs 754 at k = 6)
+    moe = SyntheticStep(d_pass=0.0001, c0=0.004, c_exp=0.0004, experts=(64, 4, 2))
+    k_flat = flat.run(controller(), caps, acceptance, np.random.default_rng(2), 80).k
+    k_moe = moe.run(controller(experts=(64, 4, 2)), caps, acceptance, np.random.default_rng(2), 80).k
+    assert min(k_flat.values()) >= 6
+    assert 1 <= max(k_moe.values()) < min(k_flat.values())
+
+
+def test_each_sequence_gets_the_k_its_own_acceptance_pays_for():
+    sim = SyntheticStep(d_pass=0.0005, c0=0.01, c_tok=0.001)
+    caps = {"easy": 8, "hard": 8}
+    decision = sim.run(controller(), caps, {"easy": 0.95, "hard": 0.1}, np.random.default_rng(3), 120)
+    assert decision.k["easy"] > decision.k["hard"]
+    assert decision.k["hard"] <= 1
+
+
+def test_caps_are_respected_and_fixed_sequences_keep_their_k():
+    sim = SyntheticStep(d_pass=0.0002, c0=0.01)
+    ctl = controller()
+    sim.run(ctl, {"a": 3, "b": 8}, {"a": 0.95, "b": 0.95}, np.random.default_rng(4), 40)
+    d = ctl.plan({"a": 3, "b": 8}, 3, fixed={"seeded": 5})
+    assert d.k["a"] <= 3 and d.k["seeded"] == 5
+
+
+def test_probe_leaves_k_zero_then_warmup_and_fixed_policy():
+    ctl = controller(max_k=4, warmup_steps=4, probe_interval_steps=5)
+    caps = {"a": 4}
+    assert [ctl.plan(caps, 1).k["a"] for _ in range(4)] == [4, 4, 1, 1]  # the warm-up cycle
+    sim = SyntheticStep(d_pass=0.05, c0=0.01)  # so expensive that adaptive chooses 0
+    sim.run(ctl, caps, {"a": 0.3}, np.random.default_rng(5), 30)
+    reasons = []
+    for _ in range(12):
+        reasons.append(ctl.plan(caps, 1).reason)
+        ctl.observe_step(0.0, 0, 0, 0.01, 1, None)
+    assert "probe" in reasons and reasons.count("adaptive") >= 10
+    fixed = SpeculationController(4, "fixed")
+    assert fixed.plan({"a": 3, "b": 0}, 2).k == {"a": 3, "b": 0}
+
+
+def test_online_cost_recovers_a_linear_model_with_non_negative_coefficients():
+    model = OnlineLinearCost(3, forgetting=1.0)
+    rng = np.random.default_rng(6)
+    for _ in range(200):
+        x = [1.0, rng.integers(1, 50), rng.integers(0, 16)]
+        model.observe(x, 0.004 + 0.0003 * x[1] + 0.001 * x[2])
+    assert model.theta == pytest.approx([0.004, 0.0003, 0.001], rel=1e-2)
+    collinear = OnlineLinearCost(3)
+    for t in range(1, 30):  # features 1 and 2 identical: the fit must not go negative
+        collinear.observe([1.0, t, t], 0.01 + 0.001 * t)
+    assert (collinear.theta >= 0).all()
+    assert collinear.predict(np.array([[1.0, 10, 10]]))[0] == pytest.approx(0.02, rel=0.05)
+
+
+def test_expert_activation_learns_routing_skew():
+    act = ExpertActivation(num_experts=8, num_moe_layers=2, top_k=2)
+    assert act.predict(np.array([1]))[0] == pytest.approx(2 * 8 * 0.25)
+    for _ in range(100):  # every token routed to the same 2 experts: 4 (layer, expert) pairs
+        act.observe(16, 4)
+    assert act.predict(np.array([16]))[0] == pytest.approx(4, abs=0.5)
+    assert act.predict(np.array([1]))[0] < 2 * 8 * 0.25
