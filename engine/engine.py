@@ -27,7 +27,7 @@ from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObs
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats, TokenLogprob
 from engine.sampling import make_generator, top_logprobs
 from engine.sampling_params import MAX_SEED, MAX_SPECULATIVE_TOKENS, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
 from engine.spec_controller import Decision, SpeculationController, SpeculativePolicy
 from engine.spec_cost import ActivationMeter, ExpertActivation
@@ -182,9 +182,10 @@ class LLMEngine:
         if sched.empty:
             return []
         for seq in sched.prefills:
-            seq.slot = self.kv.allocate()
-            if seq.request.metrics.first_scheduled_time_s is None:
-                seq.request.metrics.first_scheduled_time_s = time.monotonic()
+            if seq.slot is None:  # newly admitted (a continuing chunked prefill has its slot)
+                seq.slot = self.kv.allocate()
+                seq.request.metrics.first_scheduled_time_s = seq.request.metrics.first_scheduled_time_s \
+                    or time.monotonic()
         seqs = sched.prefills + sched.decodes
         for seq in seqs:  # every completion of a touched request: a finished sibling adds nothing
             for completion in seq.request.outputs:
@@ -194,13 +195,13 @@ class LLMEngine:
         with self.observer.step(sorted({s.request_id for s in seqs})) as report:
             decision = Decision()
             try:
-                decision = self._plan(sched.prefills, sched.decodes, sched.speculate)
+                decision = self._plan(sched)
                 with self.observer.phase(PHASE_DRAFT):
                     t0 = time.perf_counter()
                     drafts = self._propose(sched.decodes, decision)
                     t1 = time.perf_counter()
-                self._verify_and_emit(sched.prefills, sched.decodes, drafts)
-                self._observe_costs(t1 - t0, time.perf_counter() - t1, drafts, sched.prefills, sched.decodes)
+                self._verify_and_emit(sched, drafts)
+                self._observe_costs(t1 - t0, time.perf_counter() - t1, drafts, sched)
             except Exception:  # a failed step fails only the sequences in it; the engine keeps serving
                 log.exception("engine step failed; failing %d sequences", len(seqs))
                 drafts = {}
@@ -217,7 +218,8 @@ class LLMEngine:
                 expected_tokens=decision.expected_tokens, predicted_step_s=decision.predicted_step_s)
             report(self.last_step)
         self.num_steps += 1
-        return self._collect(seqs)
+        # A chunk that did not finish its prompt made no visible progress: nothing to report.
+        return self._collect(s for s in seqs if not s.num_prompt_tokens_left or s.status is SeqStatus.FINISHED)
 
     def _k_for(self, seq: Sequence, speculate: bool) -> int:
         """Draft length this step: no drafting past max_tokens or the context window."""
@@ -230,17 +232,18 @@ class LLMEngine:
     def _decode_cost(self, seq: Sequence, speculate: bool) -> int:
         return 1 + self._k_for(seq, speculate)  # the cap: the controller may choose less
 
-    def _plan(self, prefills: list[Sequence], decodes: list[Sequence], speculate: bool) -> Decision:
+    def _plan(self, sched: SchedulerOutput) -> Decision:
         """Each decoding sequence's draft length this step, from the controller."""
         caps, fixed = {}, {}
-        for seq in decodes:  # seeded sampling keeps its k so the seed reproduces its output
+        for seq in sched.decodes:  # seeded sampling keeps its k so the seed reproduces its output
             (fixed if seq.params.seed is not None and not seq.params.greedy else caps)[seq.seq_id] = \
-                self._k_for(seq, speculate)
-        base = sum(len(s.prompt_token_ids) for s in prefills) + len(decodes)
-        decision = self.controller.plan(caps, base, len(prefills), fixed)
+                self._k_for(seq, sched.speculate)
+        base = sum(sched.chunks.values()) + len(sched.decodes)
+        final = sum(1 for s in sched.prefills if sched.chunks[s.seq_id] == s.num_prompt_tokens_left)
+        decision = self.controller.plan(caps, base, final, fixed)
         for k in decision.k.values():
             self.draft_length_counts[k] += 1
-        if decodes and not any(decision.k.values()):
+        if sched.decodes and not any(decision.k.values()):
             self.num_spec_off_steps += 1
         return decision
 
@@ -258,28 +261,40 @@ class LLMEngine:
         return {r.seq_id: p for r, p in zip(reqs, self.drafter.propose(reqs))}
 
     def _observe_costs(self, draft_s: float, target_s: float, drafts: dict[str, DraftProposal],
-                       prefills: list[Sequence], decodes: list[Sequence]) -> None:
+                       sched: SchedulerOutput) -> None:
         """Feed the step's measured costs to the controller (draft phase; target + verify)."""
         lengths = [len(p.token_ids) for p in drafts.values()]
-        tokens = sum(len(s.prompt_token_ids) for s in prefills) + len(decodes) + sum(lengths)
+        tokens = sum(sched.chunks.values()) + len(sched.decodes) + sum(lengths)
         meter = self.target.model.experts
         distinct = meter.take() if isinstance(meter, ActivationMeter) else None
         self.controller.observe_step(draft_s, max(lengths, default=0), sum(lengths), target_s, tokens, distinct)
 
-    def _verify_and_emit(self, prefills: list[Sequence], decodes: list[Sequence], drafts) -> None:
-        seqs = prefills + decodes
+    def _verify_and_emit(self, sched: SchedulerOutput, drafts) -> None:
+        """One target forward over prefill chunks and decodes, then verification and emission.
+
+        Batch order: chunks that do not finish their prompt (their one logit row is dropped: they
+        emit nothing yet), then final prefill chunks, then the decodes with their drafts."""
+        partial = [s for s in sched.prefills if sched.chunks[s.seq_id] < s.num_prompt_tokens_left]
+        prefills = [s for s in sched.prefills if sched.chunks[s.seq_id] == s.num_prompt_tokens_left]
+        decodes = sched.decodes
+        chunks = [s.prompt_token_ids[s.num_cached: s.num_cached + sched.chunks[s.seq_id]] for s in partial + prefills]
         draft_lists = [[] for _ in prefills] + [drafts[s.seq_id].token_ids if s.seq_id in drafts else []
                                                for s in decodes]
-        new_tokens = [s.prompt_token_ids for s in prefills] + [
-            [s.last_token_id] + d for s, d in zip(decodes, draft_lists[len(prefills):])
-        ]
-        starts = [0] * len(prefills) + [s.num_cached for s in decodes]
-        num_logits = [1] * len(prefills) + [len(t) for t in new_tokens[len(prefills):]]
-        for seq, start, toks in zip(seqs, starts, new_tokens):
+        new_tokens = chunks + [[s.last_token_id] + d for s, d in zip(decodes, draft_lists[len(prefills):])]
+        starts = [s.num_cached for s in partial + prefills + decodes]
+        num_logits = [1] * len(chunks) + [len(t) for t in new_tokens[len(chunks):]]
+        for seq, start, toks in zip(partial + prefills + decodes, starts, new_tokens):
             self.kv.reserve(seq.slot, start + len(toks))
-        batch = ForwardBatch.build([s.slot for s in seqs], new_tokens, starts, logits=num_logits)
+        batch = ForwardBatch.build([s.slot for s in partial + prefills + decodes], new_tokens, starts,
+                                   logits=num_logits)
         with self.observer.phase(PHASE_TARGET):
             logits = self.target.model.forward(batch, self.kv)  # (sum(num_logits), vocab)
+        for seq, toks in zip(partial, chunks):
+            seq.num_cached += len(toks)
+        logits, num_logits, starts = logits[len(partial):], num_logits[len(partial):], starts[len(partial):]
+        new_tokens, seqs = new_tokens[len(partial):], prefills + decodes
+        if not seqs:
+            return
         with self.observer.phase(PHASE_VERIFY):
             batch = build_verify_batch(logits, num_logits, draft_lists, [drafts.get(s.seq_id) for s in seqs],
                                        [s.generator for s in seqs], [s.params for s in seqs])

@@ -1,8 +1,12 @@
 """Continuous batching: admit waiting sequences between steps under a token budget.
 
-Each step every running sequence decodes (1 + k tokens through the target: its newest token and k
-draft tokens); the remaining token budget admits waiting sequences for prefill, first come first
-served, while KV slots and ``max_num_seqs`` allow (Orca, Yu et al. 2022; vLLM's scheduler).
+Each step every decoding sequence runs first (1 + k tokens through the target: its newest token
+and up to k draft tokens); the remaining token budget then goes to prefills, first come first
+served, while KV slots and ``max_num_seqs`` allow (Orca, Yu et al. 2022; vLLM's scheduler). With
+chunked prefill (the default) a prompt is split across steps into chunks that fill what the
+decodes leave of the budget, so a long prompt never stalls the running decodes for a whole
+prefill (Sarathi-Serve's stall-free batching, Agrawal et al. 2024): a partly prefilled sequence
+continues before new ones are admitted.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.sequence import SeqStatus, Sequence
+
+
+MIN_PREFILL_CHUNK = 32  # tokens a started chunked prefill gets per step at least
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -28,12 +35,16 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         spec_disable_batch_size: speculation is off in steps whose running batch has at least this
             many sequences (draft positions activate extra experts on MoE, so at large batch
             speculation costs more than it saves); 0 never disables it.
+        enable_chunked_prefill: split prompts into chunks that fit the step's token budget left
+            after the decodes. Off: a prompt is prefilled whole, and one longer than the budget
+            only when it is the only work.
     """
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_waiting: int = 256
     spec_disable_batch_size: int = 0
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
@@ -45,9 +56,19 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
 
 @dataclass
 class SchedulerOutput:
+    """One step's work.
+
+    Attributes:
+        prefills: sequences prefilling a chunk of their prompt this step (newly admitted or
+            continuing), in order; ``chunks[seq_id]`` is the chunk's token count.
+        decodes: sequences whose prompt is fully prefilled.
+        speculate: whether drafting is allowed this step (``spec_disable_batch_size``).
+    """
+
     prefills: list[Sequence] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     speculate: bool = True
+    chunks: dict[str, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -90,17 +111,31 @@ class Scheduler:
         """
         cfg = self.config
         speculate = not (cfg.spec_disable_batch_size and len(self.running) >= cfg.spec_disable_batch_size)
-        out = SchedulerOutput(decodes=list(self.running), speculate=speculate)
-        budget = cfg.max_num_batched_tokens - sum(decode_cost(s, speculate) for s in self.running)
-        while self.waiting and num_free_slots > 0 and len(self.running) + len(out.prefills) < cfg.max_num_seqs:
+        out = SchedulerOutput(speculate=speculate)
+        for seq in self.running:
+            (out.prefills if seq.num_prompt_tokens_left else out.decodes).append(seq)
+        budget = cfg.max_num_batched_tokens - sum(decode_cost(s, speculate) for s in out.decodes)
+        for i, seq in enumerate(out.prefills):  # continuing chunked prefills before new admissions
+            # The oldest always progresses, even when the decodes' draft caps use the whole budget.
+            room = max(budget, MIN_PREFILL_CHUNK if i == 0 else 0)
+            out.chunks[seq.seq_id] = n = min(seq.num_prompt_tokens_left, room)
+            budget -= n
+        out.prefills = [s for s in out.prefills if out.chunks[s.seq_id]]
+        admitted = []
+        while self.waiting and num_free_slots > 0 and len(self.running) + len(admitted) < cfg.max_num_seqs:
             need = len(self.waiting[0].prompt_token_ids)
-            alone = not out.prefills and not self.running
-            if need > budget and not alone:
+            if cfg.enable_chunked_prefill:
+                chunk = min(need, budget)
+            else:  # whole prompts only; a long one when it is the only work
+                chunk = need if need <= budget or (not admitted and not self.running) else 0
+            if chunk <= 0:
                 break
             seq = self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            out.prefills.append(seq)
-            budget -= need
+            admitted.append(seq)
+            out.chunks[seq.seq_id] = chunk
+            budget -= chunk
             num_free_slots -= 1
-        self.running.extend(out.prefills)
+        out.prefills += admitted
+        self.running.extend(admitted)
         return out

@@ -66,8 +66,9 @@ class Sequence:
         return out[-1] if out else self.request.prompt_token_ids[-1]
 
     @property
-    def is_prefill(self) -> bool:
-        return self.num_cached == 0 and not self.state.token_ids
+    def num_prompt_tokens_left(self) -> int:
+        """Prompt tokens not yet prefilled into the KV cache (chunked prefill); 0 once decoding."""
+        return 0 if self.state.token_ids else len(self.request.prompt_token_ids) - self.num_cached
 
     @property
     def num_output_tokens(self) -> int:
