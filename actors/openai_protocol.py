@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as OpenAI does; out-of-range values raise :class:`ProtocolError`, which
 the ingress turns into HTTP 400 naming the parameter. specmoe extensions (vLLM's names): ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``num_speculative_tokens``.
+``ignore_eos``, ``stop_token_ids``, ``num_speculative_tokens``, ``priority``, and ``slo_class``
+(the request's latency budget class, see ``engine.scheduler.slo_classes``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = None
+    priority: int = 0  # vLLM's request field: lower is scheduled earlier (scheduling_policy priority|slo)
+    slo_class: str | None = None  # latency budget class of engine.scheduler.slo_classes
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     best_of: int | None = None
@@ -102,6 +105,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, num_speculative_tokens=self.num_speculative_tokens,
+            priority=self.priority, slo_class=self.slo_class,
         )
 
     @property

@@ -20,7 +20,7 @@ import torch
 
 from engine.detokenizer import SequenceOutputState
 from engine.drafters.base import Drafter, DraftProposal, DraftRequest, NoneDrafter
-from engine.errors import SpecmoeError
+from engine.errors import QueueFull
 from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
@@ -29,16 +29,13 @@ from engine.sampling import make_generator, top_logprobs
 from engine.sampling_params import MAX_SEED, MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
+from engine.slo import SLOPolicy
 from engine.spec_controller import Decision, SpeculationController, SpeculativePolicy
 from engine.spec_cost import ActivationMeter, ExpertActivation
 from engine.verification import build_verify_batch, verify
 from kernels.rejection import PLACEHOLDER_TOKEN_ID
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(SpecmoeError):
-    """The waiting queue is at ``max_waiting``; retry later (HTTP 503)."""
 
 
 class LLMEngine:
@@ -78,6 +75,7 @@ class LLMEngine:
         self.finished_by_reason: dict[str, int] = {}
         self._requests: dict[str, list[Sequence]] = {}
         self.controller = self._build_controller(speculative_policy)
+        self.slo = SLOPolicy(self.scheduler, self.controller)
         self.draft_length_counts = [0] * (MAX_SPECULATIVE_TOKENS + 1)  # decoding sequences by chosen k
         self.num_spec_off_steps = 0
 
@@ -107,7 +105,8 @@ class LLMEngine:
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, prompt + max_tokens beyond
                 the context window, or a duplicate request id.
-            QueueFull: the waiting queue is full.
+            QueueFull: the waiting queue is full (DeadlineUnattainable: the request's TTFT budget
+                cannot be met at this load, with ``refuse_unattainable_ttft``).
         """
         self.check_request(request_id, prompt_token_ids, params)
         request = RequestOutput(request_id, prompt, list(prompt_token_ids), [],
@@ -153,6 +152,8 @@ class LLMEngine:
         if not self.scheduler.can_accept(params.n + num_pending_seqs):
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")
+        decodes = [s for s in self.scheduler.running if not s.num_prompt_tokens_left]
+        self.slo.check(params, len(prompt_token_ids), sum(self._decode_cost(s, True) for s in decodes))
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request; its KV slots are freed now. Returns False if it was not running."""
@@ -178,7 +179,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + draft + verify step; return the requests that progressed."""
-        sched = self.scheduler.schedule(self.kv.num_free, self._decode_cost)
+        decodes = [s for s in self.scheduler.running if not s.num_prompt_tokens_left]
+        limit = self.slo.prefill_limit(decodes, sum(1 + k for k in self.controller.last.k.values()))
+        sched = self.scheduler.schedule(self.kv.num_free, self._decode_cost, limit)
         if sched.empty:
             return []
         for seq in sched.prefills:
@@ -353,6 +356,7 @@ class LLMEngine:
         if all(o.finished for o in request.outputs):
             request.finished = True
             request.metrics.finished_time_s = time.monotonic()
+            self.slo.record(request, seq.params)
             self._requests.pop(request.request_id, None)
 
     def _collect(self, seqs: Iterable[Sequence]) -> list[RequestOutput]:
@@ -373,4 +377,5 @@ class LLMEngine:
             "kv_cache_usage": self.kv.usage(),
             "draft_length_counts": list(self.draft_length_counts),
             "num_spec_off_steps": self.num_spec_off_steps,
+            "slo_attainment": self.slo.totals(),
         }

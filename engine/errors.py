@@ -11,3 +11,7 @@ class ConfigError(SpecmoeError):
 
 class CheckpointError(SpecmoeError):
     """A checkpoint is missing, corrupt or inconsistent; the message names the file or tensor."""
+
+
+class QueueFull(SpecmoeError):
+    """The waiting queue is at ``max_waiting``; retry later (HTTP 503)."""

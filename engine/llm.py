@@ -32,7 +32,8 @@ class LLM:
         draft_model, speculative_method, num_speculative_tokens, speculative_policy, dtype, device,
             max_model_len: see
             :class:`engine.args.EngineArgs`.
-        max_num_seqs, max_num_batched_tokens, spec_disable_batch_size: scheduler limits.
+        max_num_seqs, max_num_batched_tokens, spec_disable_batch_size, enable_chunked_prefill:
+            scheduler settings (:class:`engine.scheduler.SchedulerConfig`).
 
     Example:
         >>> llm = LLM(model="checkpoints/stdlib-moe-target", draft_model="checkpoints/stdlib-draft")
@@ -53,9 +54,11 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 4096,
         spec_disable_batch_size: int = 0,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_waiting=1 << 20, spec_disable_batch_size=spec_disable_batch_size)
+                                max_waiting=1 << 20, spec_disable_batch_size=spec_disable_batch_size,
+                                enable_chunked_prefill=enable_chunked_prefill)
         self.args = EngineArgs(model=model, draft_model=draft_model, speculative_method=speculative_method,
                                num_speculative_tokens=num_speculative_tokens,
                                speculative_policy=speculative_policy, dtype=dtype, device=device,

@@ -27,6 +27,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         logprobs: number of top alternatives (0..5) whose target log-probabilities are returned
             per output token; None returns none.
         num_speculative_tokens: draft length k for this request (0..16); None uses the engine's.
+        priority: scheduling priority with ``scheduling_policy`` "priority" or "slo"; lower runs
+            earlier (vLLM's convention), ties first come first served.
+        slo_class: latency budget class (``SchedulerConfig.slo_classes``); None: the default class.
 
     Raises:
         ValueError: from :meth:`validate`, naming the offending field.
@@ -43,6 +46,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     num_speculative_tokens: int | None = None
+    priority: int = 0
+    slo_class: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +70,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ("num_speculative_tokens",
              self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"must be in [0, {MAX_SPECULATIVE_TOKENS}]"),
+            ("priority", -MAX_INT32 - 1 <= self.priority <= MAX_INT32, "must be a 32-bit integer"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(0 <= t <= MAX_INT32 for t in self.stop_token_ids), f"must be in [0, {MAX_INT32}]"),
         ]

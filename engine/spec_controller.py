@@ -193,6 +193,14 @@ class SpeculationController:
             k[ids[row]] += 1
         return Decision(k, "adaptive", float(expected[best]), float(step_s[best]))
 
+    def predict_step_s(self, num_target_tokens: int, passes: int = 0, num_drafted: int = 0) -> float:
+        """Predicted seconds of a step with this many target tokens and draft work (0 before
+        any step was observed)."""
+        tokens = np.asarray([float(num_target_tokens)])
+        target = self.target_cost.predict(np.stack([[1.0], tokens, self.activation.predict(tokens)], 1))[0]
+        draft = self.draft_cost.predict(np.array([[1.0, passes, num_drafted]]))[0] if num_drafted else 0.0
+        return float(target + draft)
+
     def acceptance(self, seq_id: str | None = None) -> np.ndarray:
         """Estimated acceptance per draft position ``(max_k,)`` in [0, 1]: the server-wide one, or
         one sequence's (shrunk toward the server-wide estimate)."""

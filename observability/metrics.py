@@ -85,6 +85,9 @@ class EngineMetrics:
         self._spec_off_steps = Counter(P + "spec_decode_off_steps_total",
                                        "Engine steps with decoding sequences in which nothing was drafted.",
                                        m, registry=r).labels(model_name)
+        self._slo = Counter(P + "slo_requests_total",
+                            "Finished requests per SLO class; met=true if every budget of the class was met.",
+                            m + ["slo_class", "met"], registry=r)
         le = m + ["layer", "expert"]
         self._expert_tokens = Counter(P + "expert_tokens_total", "Tokens processed per expert (expert calls).",
                                       le, registry=r)
@@ -140,7 +143,10 @@ class EngineMetrics:
         off = _delta(totals.get("num_spec_off_steps", 0), prev.get("num_spec_off_steps", 0))
         if off:
             self._spec_off_steps.inc(off)
-        self._last_totals = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in totals.items()}
+        self._record_slo(totals.get("slo_attainment") or {}, prev.get("slo_attainment") or {})
+        self._last_totals = {k: list(v) if isinstance(v, (list, tuple))
+                             else {kk: list(vv) for kk, vv in v.items()} if isinstance(v, dict) else v
+                             for k, v in totals.items()}
         if "num_running" in totals:
             self.set_engine_state(int(totals["num_running"]), int(totals.get("num_waiting", 0)),
                                   float(totals.get("kv_cache_usage", 0.0)))
@@ -150,6 +156,16 @@ class EngineMetrics:
         for k, c in enumerate(cur):
             for _ in range(_delta(c, old[k] if k < len(old) else 0)):
                 self._draft_length.observe(k)
+
+    def _record_slo(self, cur: Mapping[str, Sequence[int]], old: Mapping[str, Sequence[int]]) -> None:
+        """``cur[class] = [met, finished]`` cumulative (engine.slo.SLOPolicy.totals)."""
+        for name, (met, total) in cur.items():
+            old_met, old_total = old.get(name, (0, 0))
+            d_met, d_total = _delta(met, old_met), _delta(total, old_total)
+            if d_met:
+                self._slo.labels(self.model_name, name, "true").inc(d_met)
+            if d_total - d_met > 0:
+                self._slo.labels(self.model_name, name, "false").inc(d_total - d_met)
 
     @safe
     def record_dispatch(self, layer: int, tokens_per_expert: Sequence[int] | Mapping[int, int],

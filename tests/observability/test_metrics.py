@@ -125,6 +125,17 @@ def test_chosen_draft_lengths_and_off_steps_come_from_engine_totals():
     assert value(r, "specmoe:spec_decode_off_steps_total") == 2
 
 
+
+def test_slo_attainment_counters_follow_engine_totals():
+    em = EngineMetrics("tiny-moe")
+    r = em.registry
+    em.sync_from_engine({"slo_attainment": {"chat": [3, 4]}})
+    em.sync_from_engine({"slo_attainment": {"chat": [5, 7], "batch": [1, 1]}})
+    assert value(r, "specmoe:slo_requests_total", slo_class="chat", met="true") == 5
+    assert value(r, "specmoe:slo_requests_total", slo_class="chat", met="false") == 2
+    assert value(r, "specmoe:slo_requests_total", slo_class="batch", met="true") == 1
+
+
 def test_recording_never_raises_and_duplicate_registration_falls_back():
     em = EngineMetrics("tiny-moe")
     assert em.record_expert_call("x", None, "many", "slow") is None

@@ -1,0 +1,152 @@
+"""Latency budgets: SLO classes, their attainment, and the scheduling decisions that use them.
+
+A request names an SLO class (``SamplingParams.slo_class``, else the scheduler's default); a class
+budgets time to first token and time per output token. Definitions follow ``vllm bench serve``'s
+goodput (DistServe, Zhong et al. 2024): TTFT = first token - arrival; TPOT = (finish - first
+token) / (output tokens - 1); a request meets its SLO iff every budget its class sets is met.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import msgspec
+
+from engine.errors import QueueFull
+from engine.outputs import RequestOutput
+
+
+class SLOClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Latency budget of one request class (None: not budgeted).
+
+    Attributes:
+        ttft_ms: time to first token, ms.
+        tpot_ms: time per output token after the first, ms; also the inter-token budget the
+            scheduler keeps a step under when it sizes prefill chunks.
+    """
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+
+
+class DeadlineUnattainable(QueueFull):
+    """The request's TTFT budget cannot be met at the current load (HTTP 503 + Retry-After)."""
+
+
+def request_slo_met(slo: SLOClass, metrics, num_output_tokens: int) -> bool:
+    """Whether a finished request met every budget of its class (``metrics``: RequestMetrics)."""
+    if metrics.first_token_time_s is None or metrics.finished_time_s is None:
+        return False
+    if slo.ttft_ms is not None and (metrics.first_token_time_s - metrics.arrival_time_s) * 1e3 > slo.ttft_ms:
+        return False
+    if slo.tpot_ms is not None and num_output_tokens > 1:
+        tpot_ms = (metrics.finished_time_s - metrics.first_token_time_s) * 1e3 / (num_output_tokens - 1)
+        if tpot_ms > slo.tpot_ms:
+            return False
+    return True
+
+
+class SLOPolicy:
+    """The engine's use of latency budgets: admission, chunk sizing, attainment counts.
+
+    Args:
+        scheduler: the engine's scheduler; its config holds ``slo_classes``, the default class
+            and the refusal switch.
+        controller: the speculation controller, whose online cost model predicts step times.
+    """
+
+    def __init__(self, scheduler, controller) -> None:
+        self.scheduler, self.controller = scheduler, controller
+        self.counts: dict[str, list[int]] = {}  # class -> [met, finished]
+
+    @property
+    def config(self):
+        return self.scheduler.config
+
+    def check(self, params, prompt_len: int, reserved_tokens: int) -> None:
+        """Raise ValueError for an unknown class; DeadlineUnattainable when the prefill work
+        queued ahead (waiting and partly prefilled sequences) cannot finish within
+        the class's TTFT budget at ``max_num_batched_tokens - reserved_tokens`` prefill tokens
+        per step."""
+        if params.slo_class is not None and params.slo_class not in self.config.slo_classes:
+            raise ValueError(f"slo_class: {params.slo_class!r} is not one of {sorted(self.config.slo_classes)}")
+        slo = self.config.slo_for(params.slo_class)[1]
+        if not self.config.refuse_unattainable_ttft or slo is None or slo.ttft_ms is None:
+            return
+        ahead = sum(len(s.prompt_token_ids) for s in self.scheduler.waiting)
+        ahead += sum(s.num_prompt_tokens_left for s in self.scheduler.running)
+        per_step = self.config.max_num_batched_tokens - reserved_tokens
+        step_s = self.controller.predict_step_s(self.config.max_num_batched_tokens)
+        wait_s = wait_estimate_s(ahead + prompt_len, per_step, step_s)
+        if wait_s * 1e3 > slo.ttft_ms:
+            raise DeadlineUnattainable(
+                f"slo_class {self.config.slo_for(params.slo_class)[0]!r}: the TTFT budget of {slo.ttft_ms:g} ms "
+                f"cannot be met (about {wait_s * 1e3:.0f} ms of prefill work is queued); retry later")
+
+    def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
+        """Prefill tokens this step may take so the running decodes keep their TPOT budgets."""
+        budgets = [slo.tpot_ms for s in decodes
+                   if (slo := self.config.slo_for(s.params.slo_class)[1]) is not None and slo.tpot_ms]
+        if not budgets:
+            return None
+        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
+                                   self.controller.predict_step_s)
+
+    def record(self, request: RequestOutput, params) -> None:
+        """Count a finished request against its class's budget (classless requests are not counted)."""
+        name, slo = self.config.slo_for(params.slo_class)
+        if slo is None:
+            return
+        tokens = max((len(o.token_ids) for o in request.outputs), default=0)
+        ok = request.metrics is not None and request_slo_met(slo, request.metrics, tokens)
+        met_total = self.counts.setdefault(name, [0, 0])
+        met_total[0] += int(ok)
+        met_total[1] += 1
+
+    def totals(self) -> dict[str, list[int]]:
+        """{class: [met, finished]} since the engine started."""
+        return {k: list(v) for k, v in self.counts.items()}
+
+
+def wait_estimate_s(tokens_ahead: int, prefill_tokens_per_step: int, step_s: float) -> float:
+    """Seconds until ``tokens_ahead`` prefill tokens (this prompt's included) are through, at
+    ``prefill_tokens_per_step`` per step of ``step_s`` seconds."""
+    if prefill_tokens_per_step <= 0:
+        return math.inf
+    return math.ceil(tokens_ahead / prefill_tokens_per_step) * step_s
+
+
+def prefill_token_limit(tpot_budgets_ms: list[float], decode_tokens: int, max_tokens: int,
+                        predict_step_s: Callable[[int], float]) -> int | None:
+    """Prefill tokens a step may add and still end within the tightest running TPOT budget.
+
+    Args:
+        tpot_budgets_ms: TPOT budgets of the running decodes (empty: no limit).
+        decode_tokens: target tokens of the step's decodes (with their drafts).
+        max_tokens: the step's token budget; the answer is at most ``max_tokens - decode_tokens``.
+        predict_step_s: step seconds for a number of target tokens (non-decreasing; learned online).
+
+    Returns:
+        The largest token count ``c`` with ``predict_step_s(decode_tokens + c)`` within budget (by
+        bisection), or None when nothing limits it (no budgets, or no step cost learned yet).
+    """
+    if not tpot_budgets_ms or predict_step_s(max_tokens) <= 0:
+        return None
+    budget_s = min(tpot_budgets_ms) / 1e3
+    lo, hi = 0, max(0, max_tokens - decode_tokens)
+    if predict_step_s(decode_tokens + hi) <= budget_s:
+        return hi
+    while lo < hi:  # invariant: lo fits (or is 0), hi does not
+        mid = (lo + hi + 1) // 2
+        if predict_step_s(decode_tokens + mid) <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

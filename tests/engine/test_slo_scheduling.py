@@ -1,0 +1,140 @@
+"""Latency budgets in the scheduler: priorities, earliest-deadline order, refusal, attainment."""
+
+import pytest
+
+from engine.drafters.base import NoneDrafter
+from engine.engine import LLMEngine
+from engine.errors import QueueFull
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerConfig
+from engine.slo import DeadlineUnattainable, SLOClass, prefill_token_limit, request_slo_met
+from tests.engine.bundled import loaded_target, prompt_ids
+
+CLASSES = {"interactive": SLOClass(ttft_ms=100.0, tpot_ms=50.0), "batch": SLOClass(ttft_ms=60_000.0),
+           "impossible": SLOClass(tpot_ms=1e-6)}
+
+
+def engine_with(policy="fcfs", seqs=1, **kw) -> LLMEngine:
+    sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=4096, max_waiting=100,
+                            scheduling_policy=policy, slo_classes=CLASSES, **kw)
+    return LLMEngine(loaded_target(), NoneDrafter(), 0, sched)
+
+
+def admission_order(engine, requests) -> list[str]:
+    """Add ``requests`` [(id, params)] while one blocker holds the only slot; return the order
+    in which they are first scheduled."""
+    p = prompt_ids(8, 40)
+    engine.add_request("blocker", p[0], SamplingParams(temperature=0.0, max_tokens=2))
+    engine.step()
+    for i, (rid, params) in enumerate(requests):
+        engine.add_request(rid, p[i + 1], params, arrival_time_s=100.0 + i)
+    order = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id not in order and out.request_id != "blocker":
+                order.append(out.request_id)
+    return order
+
+
+def test_priority_policy_runs_lower_priority_values_first_then_arrival():
+    mk = lambda prio: SamplingParams(temperature=0.0, max_tokens=1, priority=prio)  # noqa: E731
+    reqs = [("p5", mk(5)), ("p0", mk(0)), ("p3", mk(3)), ("p0b", mk(0))]
+    assert admission_order(engine_with("priority"), reqs) == ["p0", "p0b", "p3", "p5"]
+    assert admission_order(engine_with("fcfs"), reqs) == ["p5", "p0", "p3", "p0b"]
+
+
+def test_slo_policy_runs_the_earliest_ttft_deadline_first():
+    mk = lambda c: SamplingParams(temperature=0.0, max_tokens=1, slo_class=c)  # noqa: E731
+    # Arrivals 100, 101, 102 s: deadlines 160.0, 101.1, 102 + inf (no budget).
+    reqs = [("batch", mk("batch")), ("interactive", mk("interactive")), ("none", mk(None))]
+    assert admission_order(engine_with("slo"), reqs) == ["interactive", "batch", "none"]
+
+
+def test_unknown_classes_are_refused_with_the_field_named():
+    with pytest.raises(ValueError, match="slo_class"):
+        engine_with().add_request("x", [1, 2, 3], SamplingParams(slo_class="gold"))
+    with pytest.raises(ValueError, match="default_slo_class"):
+        SchedulerConfig(default_slo_class="gold")
+
+
+def test_unattainable_ttft_is_refused_as_queue_full_and_admitted_requests_finish():
+    engine = engine_with(seqs=4, refuse_unattainable_ttft=True)
+    p = prompt_ids(12, 200)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    for i in range(3):  # the cost model learns real step times
+        engine.add_request(f"warm{i}", p[i], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i in range(8):  # 8 x 200 prompt tokens queued
+        engine.add_request(f"q{i}", p[i], params)
+    tight = SamplingParams(temperature=0.0, max_tokens=4, slo_class="interactive")
+    five_steps_ms = 5 * engine.controller.predict_step_s(64) * 1e3
+    assert five_steps_ms > 0  # the cost model has learned
+    engine.scheduler.config = SchedulerConfig(  # 1600 + 200 tokens at 64 a step: 29 steps > 5
+        max_num_seqs=4, max_num_batched_tokens=64, max_waiting=100, refuse_unattainable_ttft=True,
+        slo_classes={"interactive": SLOClass(ttft_ms=five_steps_ms)})
+    with pytest.raises(DeadlineUnattainable) as err:
+        engine.add_request("late", p[9], tight)
+    assert isinstance(err.value, QueueFull) and "TTFT budget" in str(err.value)
+    engine.add_request("patient", p[10], SamplingParams(temperature=0.0, max_tokens=4))  # no budget: admitted
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert sorted(outs) == sorted([f"q{i}" for i in range(8)] + ["patient"])
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs.values())
+
+
+def test_attainment_counts_match_a_scripted_run():
+    engine = engine_with(seqs=4, default_slo_class="batch")
+    p = prompt_ids(6, 40)
+    plan = {"a": None, "b": "batch", "c": "impossible", "d": "impossible", "e": "interactive"}
+    reqs = {rid: engine.add_request(rid, p[i], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                                                slo_class=c))
+            for i, (rid, c) in enumerate(plan.items())}
+    while engine.has_unfinished_requests():
+        engine.step()
+    totals = engine.get_metrics()["slo_attainment"]
+    expected = {}
+    for rid, c in plan.items():
+        name = c or "batch"
+        met = request_slo_met(CLASSES[name], reqs[rid].metrics, 5)
+        expected.setdefault(name, [0, 0])
+        expected[name][0] += int(met)
+        expected[name][1] += 1
+    assert totals == expected
+    assert totals["batch"] == [2, 2] and totals["impossible"] == [0, 2]
+
+
+def test_request_slo_met_follows_vllm_bench_definitions():
+    m = RequestMetrics(arrival_time_s=10.0, first_token_time_s=10.2, finished_time_s=11.2)
+    assert request_slo_met(SLOClass(ttft_ms=200.0, tpot_ms=100.0), m, 11)  # TPOT = 1 s / 10 = 100 ms
+    assert not request_slo_met(SLOClass(ttft_ms=199.0), m, 11)
+    assert not request_slo_met(SLOClass(tpot_ms=99.0), m, 11)
+
+
+def test_tpot_budgets_cap_the_prefill_chunk():
+    linear = lambda tokens: 0.005 + 0.0001 * tokens  # noqa: E731  (5 ms + 0.1 ms a token)
+    assert prefill_token_limit([50.0, 20.0], 10, 4096, linear) == 140  # 5 + 0.1 * (10 + 140) = 20 ms
+    assert prefill_token_limit([], 10, 4096, linear) is None
+    assert prefill_token_limit([5.0], 10, 4096, linear) == 0
+    assert prefill_token_limit([1000.0], 10, 256, linear) == 246  # the token budget binds first
+    assert prefill_token_limit([20.0], 10, 4096, lambda t: 0.0) is None  # nothing learned yet
+    engine = engine_with(seqs=4, enable_chunked_prefill=True)
+    p = prompt_ids(30, 400)
+    for n in (10, 100, 300):  # steps of different sizes: the cost model can tell tokens apart
+        engine.add_request(f"w{n}", p[n % 7][:n], SamplingParams(temperature=0.0, max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    tpot_ms = engine.controller.predict_step_s(300) * 1e3  # a budget that fits ~300 tokens a step
+    engine.scheduler.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
+                                              slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)})
+    engine.add_request("short", p[0][:20], SamplingParams(temperature=0.0, max_tokens=40, slo_class="interactive"))
+    engine.step()
+    engine.add_request("long", [t for q in p[1:6] for t in q][:900], SamplingParams(temperature=0.0, max_tokens=2))
+    limit = engine.slo.prefill_limit([engine._requests["short"][0]], 1)
+    assert limit == prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
+    assert limit is not None and 100 < limit < 900
+    out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limit)
+    assert out.chunks["long-0"] == limit and [s.seq_id for s in out.decodes] == ["short-0"]
