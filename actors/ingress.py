@@ -29,7 +29,7 @@ from actors.openai_protocol import (
 )
 from actors.responses import ResponseBuilder, error_body, sse
 from actors.telemetry import RequestTelemetry
-from engine.request_ranges import check_prompt
+from engine.request_ranges import check_prompt, check_without_tokenizer
 from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
 from observability import semconv as sc
 
@@ -72,7 +72,8 @@ class IngressServer:
         self.vocab_size = model_config.vocab_size
         from pathlib import Path
 
-        self.tokenizer, template = load_tokenizer(Path(model_path))
+        # skip_tokenizer_init: no tokenizer; token-id prompts only, token ids in the responses.
+        self.tokenizer, template = (None, None) if config.engine.skip_tokenizer_init else load_tokenizer(Path(model_path))
         self.chat_template = ChatTemplate(template)
         self._ids = itertools.count()
         setup_tracing("ingress", config.tracing)
@@ -112,6 +113,10 @@ class IngressServer:
         if req.model != self.model_name:
             raise ProtocolError(f"The model '{req.model}' does not exist (serving '{self.model_name}')",
                                 "model", 404, "model_not_found")
+        if self.tokenizer is None:
+            with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):
+                check_without_tokenizer(kind == "chat" or isinstance(req.prompt, str),
+                                        [req.stop] if isinstance(req.stop, str) else req.stop or [])
         if kind == "completion":
             prompt_text = req.prompt if isinstance(req.prompt, str) else None
             ids = self.tokenizer.encode(req.prompt).ids if prompt_text is not None else list(req.prompt)

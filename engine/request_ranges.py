@@ -99,6 +99,24 @@ def check_stop(stop: Sequence[str]) -> None:
         raise RequestError(f"'stop' takes at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}", "stop")
 
 
+def check_without_tokenizer(text_prompt: bool, stop: Sequence[str]) -> None:
+    """What an engine or server started with ``skip_tokenizer_init`` cannot do.
+
+    Args:
+        text_prompt: the prompt arrived as text (or chat messages) rather than token ids.
+        stop: the request's stop strings (matching them needs detokenized text).
+
+    Raises:
+        RequestError: ``param`` "prompt" for a text prompt, "stop" for stop strings.
+    """
+    if text_prompt:
+        raise RequestError("this model was loaded with skip_tokenizer_init (no tokenizer): send the prompt as a "
+                           "list of token ids", "prompt")
+    if stop:
+        raise RequestError("'stop' strings need a tokenizer (skip_tokenizer_init is set): use 'stop_token_ids'",
+                           "stop")
+
+
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, vocab_size: int,
                  max_model_len: int) -> None:
     """A prompt's token ids against the vocabulary and the context window.
