@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 CONFIG ?= configs/embedded.yaml
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test test-quick test-gpu lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,14 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# Without the tests that need the Ray Serve app or a live Prometheus (marker `slow`).
+test-quick: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
+
+# The GPU tier: engine, Triton kernels at Mixtral shapes and one HTTP request on CUDA.
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

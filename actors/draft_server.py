@@ -66,7 +66,8 @@ class DraftServer:
 
         torch.set_num_threads(1)
         setup_tracing("draft", msgspec.convert(tracing, TracingConfig) if tracing else None)
-        self.drafter = DraftModelDrafter(load_model(draft_model, dtype, device), max_seqs, max_len)
+        self.drafter = DraftModelDrafter(load_model(draft_model, dtype, device, skip_tokenizer_init=True),
+                                         max_seqs, max_len)
 
     def propose(self, wire: list[dict], release: list[str] | None = None,
                 carrier: dict | None = None) -> list[dict]:

@@ -20,9 +20,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.chat_template import ChatTemplate
 from actors.config import ServeConfig
-from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
+from actors.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    decode_request,
+    protocol_errors,
+)
 from actors.responses import ResponseBuilder, error_body, sse
 from actors.telemetry import RequestTelemetry
+from engine.request_ranges import check_prompt, check_without_tokenizer
 from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
 from observability import semconv as sc
 
@@ -65,7 +72,8 @@ class IngressServer:
         self.vocab_size = model_config.vocab_size
         from pathlib import Path
 
-        self.tokenizer, template = load_tokenizer(Path(model_path))
+        # skip_tokenizer_init: no tokenizer; token-id prompts only, token ids in the responses.
+        self.tokenizer, template = (None, None) if config.engine.skip_tokenizer_init else load_tokenizer(Path(model_path))
         self.chat_template = ChatTemplate(template)
         self._ids = itertools.count()
         setup_tracing("ingress", config.tracing)
@@ -105,33 +113,26 @@ class IngressServer:
         if req.model != self.model_name:
             raise ProtocolError(f"The model '{req.model}' does not exist (serving '{self.model_name}')",
                                 "model", 404, "model_not_found")
+        if self.tokenizer is None:
+            with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):
+                check_without_tokenizer(kind == "chat" or isinstance(req.prompt, str),
+                                        [req.stop] if isinstance(req.stop, str) else req.stop or [])
         if kind == "completion":
             prompt_text = req.prompt if isinstance(req.prompt, str) else None
             ids = self.tokenizer.encode(req.prompt).ids if prompt_text is not None else list(req.prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ProtocolError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-                                    "prompt")
             logprobs = req.logprobs
         else:
             prompt_text = self.chat_template.render(req.messages)
             ids = self.tokenizer.encode(prompt_text).ids
             logprobs = req.num_logprobs
-        if not ids:
-            raise ProtocolError("the prompt tokenizes to nothing", "prompt" if kind == "completion" else "messages")
-        if len(ids) >= self.max_model_len:
-            raise ProtocolError(f"the prompt has {len(ids)} tokens; this model's context window is "
-                                f"{self.max_model_len} tokens", "prompt" if kind == "completion" else "messages",
-                                code="context_length_exceeded")
-        max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion"
-                                        else self.max_model_len - len(ids))
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ProtocolError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                                f"window of {self.max_model_len} tokens", "max_tokens", code="context_length_exceeded")
-        try:
+        # The engine's own prompt rules (engine.request_ranges), answered here as 400s.
+        with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):
+            check_prompt(ids, None, self.vocab_size, self.max_model_len)
+            max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion"
+                                            else self.max_model_len - len(ids))
+            check_prompt(ids, max_tokens, self.vocab_size, self.max_model_len)
+        with protocol_errors():
             params = req.sampling_params(max_tokens, logprobs)
-        except ValueError as e:
-            raise ProtocolError(str(e), str(e).split(".", 1)[-1].split(" ", 1)[0]) from e
         return req, ids, prompt_text, params, logprobs is not None
 
     async def _handle(self, request: Request, kind: str) -> Response:

@@ -1,25 +1,23 @@
 """OpenAI-compatible request bodies, decoded and validated with msgspec.
 
 Unknown fields are ignored, as OpenAI does; out-of-range values raise :class:`ProtocolError`, which
-the ingress turns into HTTP 400 naming the parameter. specmoe extensions (vLLM's names): ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``num_speculative_tokens``, ``priority``, and ``slo_class``
-(the request's latency budget class, see ``engine.scheduler.slo_classes``).
+the ingress turns into HTTP 400 naming the parameter. The ranges are the engine's own table
+(:data:`engine.request_ranges.RANGES`), so the server and the offline engine accept the same values.
+specmoe extensions (vLLM's names): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``num_speculative_tokens``, ``priority``, and ``slo_class`` (the request's latency budget class,
+see ``engine.scheduler.slo_classes``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import msgspec
 
-from engine.sampling_params import (
-    MAX_INT32,
-    MAX_LOGPROBS,
-    MAX_N,
-    MAX_SEED,
-    MAX_SPECULATIVE_TOKENS,
-    SamplingParams,
-)
+from engine.request_ranges import RequestError, check_range, check_stop
+from engine.sampling_params import SamplingParams
 
 # OpenAI parameters specmoe does not implement: rejected (400 naming them) rather than silently ignored.
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix")
@@ -31,6 +29,19 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
+
+
+@contextmanager
+def protocol_errors(rename: dict[str, str] | None = None) -> Iterator[None]:
+    """Turn the engine's :class:`~engine.request_ranges.RequestError` into a 400 ProtocolError.
+
+    Args:
+        rename: reported parameter names to replace (chat prompts come from ``messages``).
+    """
+    try:
+        yield
+    except RequestError as e:
+        raise ProtocolError(str(e), (rename or {}).get(e.param, e.param), code=e.code) from e
 
 
 class StreamOptions(msgspec.Struct):
@@ -75,27 +86,17 @@ class _Sampling(msgspec.Struct, kw_only=True):
             raise ProtocolError("'best_of' is not supported (only equal to n)", "best_of")
 
     def check_ranges(self) -> None:
+        """Unsupported parameters, then every field against the engine's range table.
+
+        Raises:
+            ProtocolError: 400 naming the parameter.
+        """
         self.check_unsupported()
-        checks = [
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", self.temperature is None or 0 <= self.temperature <= 2, "must be in [0, 2]"),
-            ("top_p", self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
-            ("top_k", self.top_k is None or -1 <= self.top_k <= MAX_INT32, f"must be -1, 0 or in [1, {MAX_INT32}]"),
-            ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens <= MAX_INT32, f"must be <= {MAX_INT32}"),
-            ("stop_token_ids", all(0 <= t <= MAX_INT32 for t in self.stop_token_ids or []),
-             f"must be in [0, {MAX_INT32}]"),
-            ("num_speculative_tokens", self.num_speculative_tokens is None
-             or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
-             f"must be in [0, {MAX_SPECULATIVE_TOKENS}]"),
-            ("stop", self.stop is None or (self.stop != "" and "" not in (self.stop if isinstance(self.stop, list) else [])),
-             "must not contain empty strings"),
-            ("stop", not isinstance(self.stop, list) or len(self.stop) <= 4, "at most 4 stop sequences"),
-        ]
-        for param, ok, why in checks:
-            if not ok:
-                raise ProtocolError(f"'{param}' {why}", param)
+        with protocol_errors():
+            for name in ("max_tokens", "temperature", "top_p", "n", "top_k", "seed", "stop_token_ids",
+                         "num_speculative_tokens"):
+                check_range(name, getattr(self, name))
+            check_stop([self.stop] if isinstance(self.stop, str) else self.stop or [])
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -123,8 +124,8 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     def validate(self) -> None:
         self.check_ranges()
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ProtocolError(f"'logprobs' must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        with protocol_errors():
+            check_range("logprobs", self.logprobs)
         if self.echo:
             raise ProtocolError("'echo' is not supported", "echo")
         if isinstance(self.prompt, list) and self.prompt and _looks_like_token_ids(self.prompt) \
@@ -173,14 +174,14 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def validate(self) -> None:
         if self.max_completion_tokens is not None:
-            if self.max_completion_tokens < 1:
-                raise ProtocolError("'max_completion_tokens' must be >= 1", "max_completion_tokens")
+            with protocol_errors():
+                check_range("max_tokens", self.max_completion_tokens, "max_completion_tokens")
             self.max_tokens = self.max_completion_tokens  # OpenAI's newer name wins over max_tokens
         self.check_ranges()
         if not self.messages:
             raise ProtocolError("'messages' must not be empty", "messages")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ProtocolError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        with protocol_errors():
+            check_range("top_logprobs", self.top_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
 

@@ -20,6 +20,11 @@ def error_body(message: str, err_type: str = "invalid_request_error", param: str
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text; ``token_id:<id>`` without a tokenizer (vLLM's ``return_tokens_as_token_ids`` form)."""
+    return f"token_id:{int(token_id)}" if tokenizer is None else tokenizer.decode([int(token_id)])
+
+
 def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -> dict:
     """Legacy completions ``logprobs`` object for the given token logprob items.
 
@@ -27,7 +32,7 @@ def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -
     rule: the running sum of the decoded token lengths, from ``initial_offset``, the length of the
     text streamed before these tokens).
     """
-    tokens = [tokenizer.decode([i["token_id"]]) for i in items]
+    tokens = [token_text(tokenizer, i["token_id"]) for i in items]
     offsets, at = [], initial_offset
     for tok in tokens:
         offsets.append(at)
@@ -35,7 +40,7 @@ def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -
     return {
         "tokens": tokens,
         "token_logprobs": [i["logprob"] for i in items],
-        "top_logprobs": [{tokenizer.decode([int(t)]): lp for t, lp in i["top"].items()} for i in items],
+        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in i["top"].items()} for i in items],
         "text_offset": offsets,
     }
 
@@ -44,17 +49,21 @@ def chat_logprobs(items: list[dict], tokenizer) -> dict:
     """Chat ``logprobs.content`` for the given token logprob items."""
     content = []
     for i in items:
-        tok = tokenizer.decode([i["token_id"]])
+        tok = token_text(tokenizer, i["token_id"])
+        tops = [(token_text(tokenizer, t), lp) for t, lp in i["top"].items()]
         content.append({
             "token": tok, "logprob": i["logprob"], "bytes": list(tok.encode()),
-            "top_logprobs": [{"token": tokenizer.decode([int(t)]), "logprob": lp,
-                              "bytes": list(tokenizer.decode([int(t)]).encode())} for t, lp in i["top"].items()],
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in tops],
         })
     return {"content": content}
 
 
 class ResponseBuilder:
-    """Accumulates a request's stream items into chunks or a final body."""
+    """Accumulates a request's stream items into chunks or a final body.
+
+    ``tokenizer`` None (``skip_tokenizer_init``): every choice also carries its ``token_ids`` (the
+    new ones in a chunk, all of them in the final body), since its text is empty.
+    """
 
     def __init__(self, kind: str, model: str, request_id: str, n: int, tokenizer, want_logprobs: bool):
         self.kind, self.model, self.id, self.tokenizer = kind, model, request_id, tokenizer
@@ -63,6 +72,7 @@ class ResponseBuilder:
         self.text = [""] * n
         self.finish = [None] * n
         self.logprobs: list[list[dict]] = [[] for _ in range(n)]
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.want_logprobs = want_logprobs
         self.usage: dict | None = None
         self._role_sent = [False] * n  # chat streams announce the role in each choice's first chunk only
@@ -80,6 +90,7 @@ class ResponseBuilder:
             i = c["index"]
             self.text[i] += c["new_text"]
             self.logprobs[i] += c["new_logprobs"] or []
+            self.token_ids[i] += c["new_token_ids"]
             if c["finish_reason"] is not None:
                 self.finish[i] = c["finish_reason"]
             if c["new_text"] or c["finish_reason"] is not None or c["new_token_ids"]:
@@ -99,6 +110,8 @@ class ResponseBuilder:
             self._role_sent[i] = True
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": c["finish_reason"]}
             obj = "chat.completion.chunk"
+        if self.tokenizer is None:
+            choice["token_ids"] = list(c["new_token_ids"])
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
     def usage_chunk(self) -> dict:
@@ -115,5 +128,7 @@ class ResponseBuilder:
             else:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                                 "finish_reason": self.finish[i]})
+            if self.tokenizer is None:
+                choices[-1]["token_ids"] = self.token_ids[i]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage}

@@ -32,7 +32,7 @@ def main() -> None:
     from actors.config import HttpConfig, ServeConfig
     from engine.yaml_config import load_yaml
     from observability import TracingConfig
-    from tests.helpers.otlp_receiver import OtlpReceiver
+    from observability.otlp_receiver import OtlpReceiver
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs/embedded.yaml"))

@@ -87,7 +87,7 @@ def run_phase(name: str, endpoint: str | None, args, prompts: list[str]) -> dict
 
 
 def main() -> None:
-    from tests.helpers.otlp_receiver import OtlpReceiver
+    from observability.otlp_receiver import OtlpReceiver
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs/embedded.yaml"))

@@ -34,6 +34,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         device: torch device string, e.g. "cpu" or "cuda".
         max_model_len: context window; None uses the target's ``max_position_embeddings``.
         ngram_min_n, ngram_max_n: n-gram sizes of the prompt-lookup drafter.
+        skip_tokenizer_init: load no tokenizer (the checkpoint may lack ``tokenizer.json``):
+            prompts must be token ids, outputs are token ids with empty text, and stop strings are
+            refused (vLLM's option). Draft models never load one.
         scheduler: batching limits.
     """
 
@@ -47,6 +50,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_model_len: int | None = None
     ngram_min_n: int = 1
     ngram_max_n: int = 4
+    skip_tokenizer_init: bool = False
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -69,7 +73,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.speculative_method == "draft":
             from engine.drafters.draft_model import DraftModelDrafter
 
-            draft = load_model(self.draft_model, self.dtype, self.device)
+            draft = load_model(self.draft_model, self.dtype, self.device, skip_tokenizer_init=True)
             if draft.config.vocab_size != target.config.vocab_size:
                 raise ConfigError(f"draft_model: vocab size {draft.config.vocab_size} differs from the "
                                   f"target's {target.config.vocab_size} (they must share a tokenizer)")

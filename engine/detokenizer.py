@@ -50,7 +50,8 @@ class SequenceOutputState:
     """Output tokens, streamed text and the finish decision of one sequence.
 
     Args:
-        tokenizer: the model's ``tokenizers.Tokenizer``.
+        tokenizer: the model's ``tokenizers.Tokenizer``; None (``skip_tokenizer_init``) keeps only
+            token ids: the text stays empty and there are no stop strings to match.
         params: the request's sampling parameters (stop, stop_token_ids, ignore_eos, max_tokens).
         eos_token_id: the model's end-of-sequence id, or None.
         prompt_token_ids: the prompt; its last few tokens are decoding context only.
@@ -63,7 +64,7 @@ class SequenceOutputState:
             as in vLLM).
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, params: SamplingParams, eos_token_id: int | None,
+    def __init__(self, tokenizer: tokenizers.Tokenizer | None, params: SamplingParams, eos_token_id: int | None,
                  prompt_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.params = params
@@ -92,7 +93,9 @@ class SequenceOutputState:
         self._decoded = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not ids or self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def append(self, token_ids: list[int]) -> AppendResult:
         """Add tokens in order, stopping at the first finish condition; return the text delta.

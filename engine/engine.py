@@ -25,6 +25,7 @@ from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats, TokenLogprob
+from engine.request_ranges import check_prompt, check_without_tokenizer
 from engine.sampling import make_generator, top_logprobs
 from engine.sampling_params import MAX_SEED, MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -138,17 +139,9 @@ class LLMEngine:
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.target.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context window of {self.max_model_len} tokens"
-            )
+        check_prompt(prompt_token_ids, params.max_tokens, self.target.config.vocab_size, self.max_model_len)
+        if self.target.tokenizer is None:
+            check_without_tokenizer(False, params.stop)
         if not self.scheduler.can_accept(params.n + num_pending_seqs):
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")

@@ -11,13 +11,14 @@ from engine.args import EngineArgs
 from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.outputs import RequestOutput
+from engine.request_ranges import check_without_tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
     """Load the target (experts in-process) and the drafter ``args`` names."""
-    target = load_model(args.model, args.dtype, args.device)
+    target = load_model(args.model, args.dtype, args.device, skip_tokenizer_init=args.skip_tokenizer_init)
     max_len = args.max_model_len or target.config.max_position_embeddings
     drafter = args.build_drafter(target, max_len)
     return LLMEngine(target, drafter, args.num_speculative_tokens, args.scheduler, max_len,
@@ -34,6 +35,8 @@ class LLM:
             :class:`engine.args.EngineArgs`.
         max_num_seqs, max_num_batched_tokens, spec_disable_batch_size, enable_chunked_prefill:
             scheduler settings (:class:`engine.scheduler.SchedulerConfig`).
+        skip_tokenizer_init: load no tokenizer; ``generate`` then takes token-id prompts only and
+            returns token ids (``CompletionOutput.token_ids``) with empty text.
 
     Example:
         >>> llm = LLM(model="checkpoints/stdlib-moe-target", draft_model="checkpoints/stdlib-draft")
@@ -55,6 +58,7 @@ class LLM:
         max_num_batched_tokens: int = 4096,
         spec_disable_batch_size: int = 0,
         enable_chunked_prefill: bool = True,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_waiting=1 << 20, spec_disable_batch_size=spec_disable_batch_size,
@@ -62,7 +66,8 @@ class LLM:
         self.args = EngineArgs(model=model, draft_model=draft_model, speculative_method=speculative_method,
                                num_speculative_tokens=num_speculative_tokens,
                                speculative_policy=speculative_policy, dtype=dtype, device=device,
-                               max_model_len=max_model_len, scheduler=sched)
+                               max_model_len=max_model_len, skip_tokenizer_init=skip_tokenizer_init,
+                               scheduler=sched)
         self.engine = build_engine(self.args)
         self.tokenizer = self.engine.target.tokenizer
         self._ids = itertools.count()
@@ -94,7 +99,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 text = prompt if isinstance(prompt, str) else None
-                ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+                if self.tokenizer is None:
+                    check_without_tokenizer(text is not None, p.stop)
+                ids = self.tokenizer.encode(prompt).ids if text is not None else list(prompt)
                 requests.append(self.engine.add_request(f"offline-{next(self._ids)}", ids, p, prompt=text))
         except Exception:
             for r in requests:

@@ -33,7 +33,7 @@ class LoadedModel:
     path: Path
     config: ModelConfig
     model: Transformer
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None with skip_tokenizer_init: token ids in, token ids out
     reader: CheckpointReader
     chat_template: str | None
 
@@ -46,7 +46,7 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:
     """``tokenizer.json`` and the chat template from ``tokenizer_config.json`` if any."""
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
-        raise CheckpointError(f"{path}: no tokenizer.json")
+        raise CheckpointError(f"{path}: no tokenizer.json (pass skip_tokenizer_init to serve token ids only)")
     try:
         tokenizer = Tokenizer.from_file(str(tok_file))
     except Exception as e:  # tokenizers raises a bare Exception on parse errors
@@ -63,8 +63,13 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     experts: ExpertExecutor | None = None,
+    skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint; MoE experts run in-process unless another executor is given.
+
+    Args:
+        skip_tokenizer_init: load no tokenizer (``tokenizer.json`` may be absent): the model then
+            takes token-id prompts and produces token ids with empty text (vLLM's option).
 
     Raises:
         CheckpointError / ConfigError: see :class:`CheckpointReader` and :func:`load_model_config`.
@@ -80,5 +85,5 @@ def load_model(
         store.load_all()
         experts = LocalExpertExecutor(store)
     model = Transformer(config, reader, experts, torch_dtype, device)
-    tokenizer, template = load_tokenizer(path)
+    tokenizer, template = (None, None) if skip_tokenizer_init else load_tokenizer(path)
     return LoadedModel(path, config, model, tokenizer, reader, template)

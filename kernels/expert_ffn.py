@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.checks import check_ffn_args
+
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``; weights ``(out, in)``."""
@@ -39,9 +41,9 @@ def expert_ffn_reference(
         ``(num_rows, hidden_size)`` in ``hidden.dtype``.
 
     Raises:
-        ValueError: on inconsistent shapes or counts.
+        ValueError: on inconsistent shapes or (host-side) counts, see :func:`kernels.checks.check_ffn_args`.
     """
-    _check_ffn_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights)
+    check_ffn_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights)
     out = torch.empty_like(hidden)
     start = 0
     for e, count in enumerate(expert_counts.tolist()):
@@ -55,24 +57,6 @@ def expert_ffn_reference(
         out[start : start + count] = y
         start += count
     return out
-
-
-def _check_ffn_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights) -> None:
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be (num_rows, hidden_size), got {tuple(hidden.shape)}")
-    num_local, inter, hsize = w_gate.shape
-    if w_up.shape != w_gate.shape or w_down.shape != (num_local, hsize, inter):
-        raise ValueError(
-            f"expert weights disagree: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, down {tuple(w_down.shape)}"
-        )
-    if hidden.shape[1] != hsize:
-        raise ValueError(f"hidden size {hidden.shape[1]} != expert hidden size {hsize}")
-    if expert_counts.shape != (num_local,) or int(expert_counts.sum()) != hidden.shape[0]:
-        raise ValueError(
-            f"expert_counts {expert_counts.tolist()} must have {num_local} entries summing to {hidden.shape[0]}"
-        )
-    if routing_weights is not None and routing_weights.shape != (hidden.shape[0],):
-        raise ValueError(f"routing_weights must be ({hidden.shape[0]},), got {tuple(routing_weights.shape)}")
 
 
 def expert_ffn(hidden, expert_counts, w_gate, w_up, w_down, routing_weights=None) -> torch.Tensor:

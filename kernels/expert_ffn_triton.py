@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import check_ffn_args
+
 _TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -234,37 +236,6 @@ def _block_m(num_rows: int, num_experts: int) -> int:
     return 128
 
 
-def _check_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights) -> None:
-    if hidden.dim() != 2 or w_gate.dim() != 3:
-        raise ValueError(f"hidden must be 2-D and weights 3-D, got {tuple(hidden.shape)}, {tuple(w_gate.shape)}")
-    num_local, inter, hsize = w_gate.shape
-    if w_up.shape != w_gate.shape or w_down.shape != (num_local, hsize, inter):
-        raise ValueError(
-            f"expert weights disagree: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, down {tuple(w_down.shape)}"
-        )
-    if hidden.shape[1] != hsize:
-        raise ValueError(f"hidden size {hidden.shape[1]} != expert hidden size {hsize}")
-    if hidden.dtype not in _TORCH_TO_TL or any(w.dtype != hidden.dtype for w in (w_gate, w_up, w_down)):
-        raise ValueError(
-            f"hidden and weights must share one of fp32/fp16/bf16, got {hidden.dtype}, "
-            f"{w_gate.dtype}, {w_up.dtype}, {w_down.dtype}"
-        )
-    if w_up.stride() != w_gate.stride():
-        raise ValueError("w_gate and w_up must have the same strides (one pointer offset serves both)")
-    # In-tile offsets are 32-bit (stride x at most 128 elements); only the per-tile bases are 64-bit.
-    inner = [*hidden.stride(), *w_gate.stride()[1:], *w_down.stride()[1:]]
-    if max(inner) * 128 >= 2**31:
-        raise ValueError(f"strides {inner} too large for 32-bit in-tile offsets; pass contiguous tensors")
-    if expert_counts.shape != (num_local,):
-        raise ValueError(f"expert_counts must be ({num_local},), got {tuple(expert_counts.shape)}")
-    # Summing device counts would cost a host sync per layer; the kernels never touch rows outside
-    # [0, num_rows) whatever the counts say, so only host-side counts are checked.
-    if not expert_counts.is_cuda and int(expert_counts.sum()) != hidden.shape[0]:
-        raise ValueError(f"expert_counts {expert_counts.tolist()} must sum to {hidden.shape[0]}")
-    if routing_weights is not None and routing_weights.shape != (hidden.shape[0],):
-        raise ValueError(f"routing_weights must be ({hidden.shape[0]},), got {tuple(routing_weights.shape)}")
-
-
 def expert_ffn_triton(
     hidden: torch.Tensor,
     expert_counts: torch.Tensor,
@@ -278,7 +249,7 @@ def expert_ffn_triton(
     Args:
         hidden: ``(num_rows, hidden_size)`` fp32/fp16/bf16 rows grouped by local expert.
         expert_counts: ``(num_local_experts,)`` integer rows per expert, summing to ``num_rows``
-            (zeros allowed; checked only when on the CPU, see ``_check_args``).
+            (zeros allowed; checked only when on the CPU, see :func:`kernels.checks.check_ffn_args`).
         w_gate, w_up: ``(num_local_experts, intermediate_size, hidden_size)``, ``hidden.dtype``.
         w_down: ``(num_local_experts, hidden_size, intermediate_size)``, ``hidden.dtype``.
         routing_weights: optional ``(num_rows,)`` float32 per-row output scale.
@@ -289,7 +260,7 @@ def expert_ffn_triton(
     Raises:
         ValueError: on inconsistent shapes, dtypes or (host-side) counts.
     """
-    _check_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights)
+    check_ffn_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights, triton=True)
     num_rows, hsize = hidden.shape
     num_experts, inter, _ = w_gate.shape
     out = torch.empty_like(hidden)

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
-PLACEHOLDER_TOKEN_ID = -1
-"""Pads ``output_token_ids`` past the emitted tokens; negative, so it can never index an embedding."""
+from kernels.checks import PLACEHOLDER_TOKEN_ID, check_rejection_args
+
+__all__ = ["PLACEHOLDER_TOKEN_ID", "greedy_verify", "inverse_cdf_sample", "rejection_sample",
+           "rejection_sample_reference"]
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,7 @@ def rejection_sample_reference(
     Raises:
         ValueError: on inconsistent shapes, or ``draft_probs`` None with a sampling row.
     """
-    _check_args(draft_token_ids, num_draft_tokens, draft_probs, target_probs, accept_uniforms,
+    check_rejection_args(draft_token_ids, num_draft_tokens, draft_probs, target_probs, accept_uniforms,
                 sample_uniforms, greedy)
     batch, k = draft_token_ids.shape
     device = target_probs.device
@@ -188,30 +190,6 @@ def _sampled_accept(safe_draft, draft_probs, target_probs_k, accept_uniforms, gr
     # The ratio, not u * q < p, is the documented rule the Triton kernel reproduces bit-for-bit.
     ratio = p_x / torch.where(q_x > 0, q_x, torch.ones_like(q_x))
     return (q_x <= 0) | (accept_uniforms < ratio)
-
-
-def _check_args(draft_token_ids, num_draft_tokens, draft_probs, target_probs, accept_uniforms,
-                sample_uniforms, greedy) -> None:
-    if draft_token_ids.dim() != 2:
-        raise ValueError(f"draft_token_ids must be (B, K), got {tuple(draft_token_ids.shape)}")
-    batch, k = draft_token_ids.shape
-    if target_probs.dim() != 3 or target_probs.shape[:2] != (batch, k + 1):
-        raise ValueError(f"target_probs must be (B, K + 1, V) = ({batch}, {k + 1}, V), "
-                         f"got {tuple(target_probs.shape)}")
-    vocab = target_probs.shape[2]
-    expected = {
-        "num_draft_tokens": (num_draft_tokens, (batch,)),
-        "accept_uniforms": (accept_uniforms, (batch, k)),
-        "sample_uniforms": (sample_uniforms, (batch, k + 1)),
-        "greedy": (greedy, (batch,)),
-    }
-    if draft_probs is not None:
-        expected["draft_probs"] = (draft_probs, (batch, k, vocab))
-    for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
-    if draft_probs is None and not bool(greedy.all()):
-        raise ValueError("draft_probs may be None only when every row is greedy")
 
 
 def rejection_sample(

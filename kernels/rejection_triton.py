@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rejection import PLACEHOLDER_TOKEN_ID, _check_args
+from kernels.checks import PLACEHOLDER_TOKEN_ID, check_rejection_args
 
 
 @triton.jit
@@ -216,11 +216,11 @@ def rejection_sample_triton(
         ``num_accepted`` ``(B,)`` int64, equal to the reference's for the same uniforms.
 
     Raises:
-        ValueError: as the reference (its checks are reused; with ``draft_probs`` None they read
-            ``greedy`` on the host).
+        ValueError: as :func:`kernels.checks.check_rejection_args` (the reference's checks plus
+            float32 probabilities; with ``draft_probs`` None they read ``greedy`` on the host).
     """
-    _check_args(draft_token_ids, num_draft_tokens, draft_probs, target_probs, accept_uniforms,
-                sample_uniforms, greedy)  # fmt: skip
+    check_rejection_args(draft_token_ids, num_draft_tokens, draft_probs, target_probs, accept_uniforms,
+                         sample_uniforms, greedy, triton=True)  # fmt: skip
     batch, k = draft_token_ids.shape
     vocab = target_probs.shape[2]
     device = target_probs.device
@@ -228,8 +228,6 @@ def rejection_sample_triton(
     num_accepted = torch.empty((batch,), dtype=torch.int64, device=device)
     if batch == 0:
         return output, num_accepted
-    if target_probs.dtype != torch.float32 or (draft_probs is not None and draft_probs.dtype != torch.float32):
-        raise ValueError("target_probs and draft_probs must be float32")
     # The vocabulary axis must be unit-stride for the chunked loads; batch/position axes may stride.
     target = target_probs if target_probs.stride(2) == 1 else target_probs.contiguous()
     has_draft = draft_probs is not None

@@ -8,28 +8,11 @@ float32 softmax over all experts, top-k, optional renormalisation of the k weigh
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from kernels.checks import RoutingResult, check_routing_args
 
-class RoutingResult(NamedTuple):
-    """Output of :func:`topk_routing`.
-
-    Attributes:
-        topk_weights: ``(num_tokens, top_k)`` float32 routing weights, descending per token.
-        topk_ids: ``(num_tokens, top_k)`` int64 expert ids; ties go to the lower expert index and no
-            expert appears twice in a row.
-        expert_counts: ``(num_experts,)`` int64 number of (token, slot) assignments per expert.
-        sorted_slots: ``(num_tokens * top_k,)`` int64 permutation of flat assignment indices
-            ``token * top_k + slot`` that groups assignments by expert id (ascending), token order
-            kept within an expert. ``topk_ids.flatten()[sorted_slots]`` is sorted.
-    """
-
-    topk_weights: torch.Tensor
-    topk_ids: torch.Tensor
-    expert_counts: torch.Tensor
-    sorted_slots: torch.Tensor
+__all__ = ["RoutingResult", "topk_routing", "topk_routing_reference"]
 
 
 def topk_routing_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> RoutingResult:
@@ -44,7 +27,7 @@ def topk_routing_reference(router_logits: torch.Tensor, top_k: int, renormalize:
     Raises:
         ValueError: if the logits are not 2-D or ``top_k`` is out of range.
     """
-    _check_routing_args(router_logits, top_k)
+    check_routing_args(router_logits, top_k)
     num_tokens, num_experts = router_logits.shape
     probs = torch.softmax(router_logits.float(), dim=-1)
     # A stable descending sort keeps equal probabilities in index order, so ties go to the lower
@@ -58,14 +41,6 @@ def topk_routing_reference(router_logits: torch.Tensor, top_k: int, renormalize:
     expert_counts = torch.bincount(flat_ids, minlength=num_experts).to(torch.int64)
     sorted_slots = torch.sort(flat_ids, stable=True).indices
     return RoutingResult(topk_weights, topk_ids, expert_counts, sorted_slots)
-
-
-def _check_routing_args(router_logits: torch.Tensor, top_k: int) -> None:
-    if router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be (num_tokens, num_experts), got shape {tuple(router_logits.shape)}")
-    num_experts = router_logits.shape[1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
 
 
 def topk_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> RoutingResult:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.routing import RoutingResult, _check_routing_args
+from kernels.checks import RoutingResult, check_routing_args
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def topk_routing_triton(router_logits: torch.Tensor, top_k: int, renormalize: bo
         renormalize: divide the k weights by their sum.
 
     Returns:
-        :class:`~kernels.routing.RoutingResult`: float32 weights ``(num_tokens, top_k)``, int64 ids
+        :class:`~kernels.checks.RoutingResult`: float32 weights ``(num_tokens, top_k)``, int64 ids
         ``(num_tokens, top_k)``, int64 counts ``(num_experts,)`` and the int64 stable grouping
         permutation ``(num_tokens * top_k,)``. Ids, counts and permutation equal the reference's
         exactly; weights agree to float32 rounding.
@@ -128,9 +128,7 @@ def topk_routing_triton(router_logits: torch.Tensor, top_k: int, renormalize: bo
     Raises:
         ValueError: if the logits are not 2-D, not floating point, or ``top_k`` is out of range.
     """
-    _check_routing_args(router_logits, top_k)
-    if router_logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"router_logits must be fp32/fp16/bf16, got {router_logits.dtype}")
+    check_routing_args(router_logits, top_k, triton=True)
     num_tokens, num_experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)

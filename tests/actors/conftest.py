@@ -35,7 +35,7 @@ def test_config(tracing_endpoint: str | None = None, **engine) -> ServeConfig:
 @pytest.fixture(scope="session")
 def otlp_receiver():
     """A real OTLP/HTTP receiver every process of the app exports its spans to."""
-    from tests.helpers.otlp_receiver import OtlpReceiver
+    from observability.otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
     yield receiver

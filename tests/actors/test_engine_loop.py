@@ -141,3 +141,39 @@ def test_transport_config_errors_name_the_field(tmp_path):
         load_yaml(cfg, ServeConfig)
     cfg.write_text(base + "  transport: actor_calls\n")
     assert load_yaml(cfg, ServeConfig).experts.transport == "actor_calls"
+
+
+def _verifier(engine_factory, **config):
+    from actors.verifier import VerifierServer
+
+    return VerifierServer({"model_name": "m", "engine": {"model": TARGET}, **config}, engine_factory=engine_factory)
+
+
+def test_verifier_check_health_bounds_the_build_and_reports_a_hung_step():
+    def slow_build():
+        time.sleep(1.0)
+        return _HangingEngine()
+
+    async def run():
+        slow = _verifier(slow_build, verifier_start_timeout_s=0.2)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await slow.check_health()  # the engine is still building after 0.2 s
+        assert time.monotonic() - started < 0.9 and slow.loop is None
+
+        engine = _HangingEngine()
+        engine.get_metrics = lambda: {}
+        verifier = _verifier(lambda: engine, engine_step_timeout_s=0.2)
+        await verifier.check_health()  # builds the engine; no step yet: healthy
+        assert verifier.engine is engine and verifier.loop is not None
+        stream = verifier.generate([1, 2, 3], PARAMS)
+        assert (await anext(stream))["type"] == "accepted"
+        while not engine.entered.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        with pytest.raises(EngineHung, match=r"engine step running for .* \(> 0\.2 s\)"):
+            await verifier.check_health()
+        engine.release.set()
+        await stream.aclose()
+
+    asyncio.run(run())

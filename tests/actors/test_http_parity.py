@@ -66,3 +66,35 @@ def test_models_and_health(served, client):
 
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert httpx.get(served[0] + "/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def speculative_llm():
+    """In-process engine with the served draft model and k (sampled output depends on k)."""
+    from engine import LLM
+    from tests.actors.conftest import DRAFT, TARGET
+
+    return LLM(TARGET, draft_model=DRAFT, num_speculative_tokens=4, dtype="float32")
+
+
+def test_sampled_requests_with_logprobs_over_http_equal_the_in_process_engine(client, speculative_llm):
+    prompt = "def read_config(path):\n"
+    params = dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=16)
+    ref = speculative_llm.generate(prompt, SamplingParams(n=2, logprobs=2, ignore_eos=True, **params))[0]
+    got = client.completions.create(model=MODEL_NAME, prompt=prompt, n=2, logprobs=2,
+                                    extra_body={"ignore_eos": True}, **params)
+    assert len({o.text for o in ref.outputs}) == 2  # two different samples (seed + index)
+    for choice, out in zip(sorted(got.choices, key=lambda c: c.index), ref.outputs):
+        assert choice.text == out.text
+        assert choice.logprobs.token_logprobs == pytest.approx([t.logprob for t in out.logprobs], abs=1e-4)
+        assert [len(top) for top in choice.logprobs.top_logprobs] == [2] * len(out.logprobs)
+        assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    chat_params = dict(temperature=0.7, seed=5, max_tokens=12)
+    messages = [{"role": "user", "content": "def parse(s):"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, logprobs=True, top_logprobs=1,
+                                          **chat_params)
+    chat_ref = speculative_llm.generate("<|user|>\ndef parse(s):\n<|assistant|>\n",
+                                        SamplingParams(logprobs=1, **chat_params))[0].outputs[0]
+    assert chat.choices[0].message.content == chat_ref.text
+    assert [c.logprob for c in chat.choices[0].logprobs.content] == pytest.approx(
+        [t.logprob for t in chat_ref.logprobs], abs=1e-4)

@@ -4,6 +4,9 @@
 ``TRITON_INTERPRET``; so the variable is set here, at conftest import, before any test module
 imports ``kernels.*_triton``. If an earlier test directory already imported a kernel module
 without it, that module is reloaded so its kernels are re-decorated for the interpreter.
+
+Not in the gpu tier (``pytest -m gpu`` sets ``SPECMOE_GPU_TIER``, see tests/conftest.py): there the
+kernels must compile for CUDA, and these interpreter tests are deselected anyway.
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest  # noqa: E402
 
-for _name in ("kernels.routing_triton", "kernels.expert_ffn_triton", "kernels.rejection_triton"):
-    if _name in sys.modules:
-        importlib.reload(sys.modules[_name])
+if os.environ.get("SPECMOE_GPU_TIER") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in ("kernels.routing_triton", "kernels.expert_ffn_triton", "kernels.rejection_triton"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 from kernels import expert_ffn
 from kernels.expert_ffn import expert_ffn_reference
 from kernels.expert_ffn_triton import expert_ffn_triton
+from tests.kernels.inputs import make_inputs
 from tests.kernels.tolerances import assert_close_dtype
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -24,21 +25,6 @@ CASES = [
     ([129, 0, 0], 24, 40),
     ([3, 150], 24, 24),
 ]
-
-
-def make_inputs(counts, hidden, inter, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    experts, rows = len(counts), sum(counts)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
-
-    x = rand(rows, hidden)
-    w_gate = rand(experts, inter, hidden, scale=hidden**-0.5)
-    w_up = rand(experts, inter, hidden, scale=hidden**-0.5)
-    w_down = rand(experts, hidden, inter, scale=inter**-0.5)
-    routing_weights = torch.rand(rows, generator=gen)
-    return x, torch.tensor(counts, dtype=torch.int64), w_gate, w_up, w_down, routing_weights
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

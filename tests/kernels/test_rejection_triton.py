@@ -9,25 +9,7 @@ import torch
 from kernels import rejection
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample_reference
 from kernels.rejection_triton import rejection_sample_triton
-
-
-def make_batch(batch, k, vocab, seed, greedy_frac=0.5, peaked=False):
-    """Random verification inputs. Draft tokens come from q; in greedy rows most are replaced by
-    the target argmax so that long accepted runs occur. Every n in [0, K] appears for batch > K."""
-    gen = torch.Generator().manual_seed(seed)
-    target_logits = torch.randn(batch, k + 1, vocab, generator=gen) * (4.0 if peaked else 1.0)
-    draft_logits = target_logits[:, :k] + 0.5 * torch.randn(batch, k, vocab, generator=gen)
-    p = torch.softmax(target_logits, dim=-1)
-    q = torch.softmax(draft_logits, dim=-1)
-    ids = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, k)
-    greedy = torch.rand(batch, generator=gen) < greedy_frac
-    follow = greedy[:, None] & (torch.rand(batch, k, generator=gen) < 0.8)
-    ids = torch.where(follow, p[:, :k].argmax(dim=-1), ids)
-    n = torch.arange(batch) % (k + 1)
-    ids = torch.where(torch.arange(k)[None, :] < n[:, None], ids, PLACEHOLDER_TOKEN_ID)
-    accept_u = torch.rand(batch, k, generator=gen)
-    sample_u = torch.rand(batch, k + 1, generator=gen)
-    return [ids, n, q, p, accept_u, sample_u, greedy]
+from tests.kernels.inputs import make_batch
 
 
 def assert_same(args, block_v=None):

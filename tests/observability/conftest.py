@@ -7,7 +7,7 @@ so each test gets a fresh, independent pipeline in the same pytest process.
 import pytest
 
 from observability import TracingConfig, setup_tracing, shutdown_tracing
-from tests.helpers.otlp_receiver import OtlpReceiver
+from observability.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture(autouse=True)

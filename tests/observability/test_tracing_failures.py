@@ -8,7 +8,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 
 from observability import TracingConfig, export_stats, setup_tracing, shutdown_tracing, start_span
 from observability import semconv as sc
-from tests.helpers.otlp_receiver import OtlpReceiver, unused_port
+from observability.otlp_receiver import OtlpReceiver, unused_port
 
 # Generous for a loaded 2-core CI box, yet below one export timeout (2 s): an export on the
 # caller's thread would blow it. The thread check below is the exact assertion.

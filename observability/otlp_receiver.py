@@ -1,4 +1,4 @@
-"""A real OTLP/HTTP trace receiver for tests: ``http.server`` on 127.0.0.1 in a thread.
+"""A real OTLP/HTTP trace receiver (tests and benchmarks): ``http.server`` on 127.0.0.1 in a thread.
 
 Accepts ``POST /v1/traces`` (binary protobuf, optionally gzip/deflate ``Content-Encoding``),
 decodes it as ``ExportTraceServiceRequest`` and stores one flat ``ReceivedSpan`` per span.

@@ -1,0 +1,147 @@
+"""The one table of per-request limits, used by the engine and the HTTP ingress alike.
+
+:class:`engine.sampling_params.SamplingParams` validates itself with :func:`check_range` /
+:func:`check_stop`, :meth:`engine.engine.LLMEngine.check_request` checks prompts with
+:func:`check_prompt`, and ``actors/openai_protocol.py`` / ``actors/ingress.py`` call the same
+functions before building ``SamplingParams``, turning :class:`RequestError` into HTTP 400 in
+OpenAI's error shape (``param`` names the field, ``code`` is e.g. ``context_length_exceeded``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from engine.errors import SpecmoeError
+
+MAX_LOGPROBS = 5
+MAX_N = 8
+MAX_SPECULATIVE_TOKENS = 16
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; per-sequence seeds wrap inside this range
+MAX_INT32 = 2**31 - 1
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
+
+
+class RequestError(SpecmoeError):
+    """A request field is out of range.
+
+    Attributes:
+        param: the offending field's (OpenAI/vLLM) name, e.g. ``"temperature"``.
+        code: a machine-readable reason (``"context_length_exceeded"``) or None.
+    """
+
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class Range(NamedTuple):
+    """Closed interval ``[lo, hi]``; ``lo_open`` makes it ``(lo, hi]``. ``note`` ends the message."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    note: str = ""
+
+    def contains(self, value: float) -> bool:
+        return (self.lo < value if self.lo_open else self.lo <= value) and value <= self.hi
+
+    def describe(self) -> str:
+        lo, hi = (f"{b:g}" if isinstance(b, float) else str(b) for b in (self.lo, self.hi))
+        return f"must be in {'(' if self.lo_open else '['}{lo}, {hi}]{self.note}"
+
+
+RANGES: dict[str, Range] = {
+    "n": Range(1, MAX_N),
+    "max_tokens": Range(1, MAX_INT32),
+    "temperature": Range(0.0, MAX_TEMPERATURE),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "top_k": Range(-1, MAX_INT32, note=" (-1 or 0 disables it)"),
+    "seed": Range(0, MAX_SEED),
+    "logprobs": Range(0, MAX_LOGPROBS),
+    "top_logprobs": Range(0, MAX_LOGPROBS),
+    "num_speculative_tokens": Range(0, MAX_SPECULATIVE_TOKENS),
+    "stop_token_ids": Range(0, MAX_INT32, note=" (each id)"),  # per element
+    "priority": Range(-MAX_INT32 - 1, MAX_INT32),
+}
+"""Request field -> allowed values (``max_completion_tokens`` shares ``max_tokens``' range)."""
+
+
+def check_range(name: str, value: float | Sequence[int] | None, param: str | None = None) -> None:
+    """Check ``value`` (None passes; a list is checked per element) against ``RANGES[name]``.
+
+    Args:
+        name: key of :data:`RANGES`.
+        param: the name reported (defaults to ``name``), e.g. ``"max_completion_tokens"``.
+
+    Raises:
+        RequestError: naming ``param`` and the allowed range.
+    """
+    if value is None:
+        return
+    rng = RANGES[name]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    bad = [v for v in values if not rng.contains(v)]
+    if bad:
+        param = param or name
+        raise RequestError(f"'{param}' {rng.describe()}, got {bad[0] if len(values) > 1 else value!r}", param)
+
+
+def check_stop(stop: Sequence[str]) -> None:
+    """Stop strings: non-empty strings, at most :data:`MAX_STOP_SEQUENCES`.
+
+    Raises:
+        RequestError: naming ``stop``.
+    """
+    if not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("'stop' must not contain empty strings", "stop")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise RequestError(f"'stop' takes at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}", "stop")
+
+
+def check_without_tokenizer(text_prompt: bool, stop: Sequence[str]) -> None:
+    """What an engine or server started with ``skip_tokenizer_init`` cannot do.
+
+    Args:
+        text_prompt: the prompt arrived as text (or chat messages) rather than token ids.
+        stop: the request's stop strings (matching them needs detokenized text).
+
+    Raises:
+        RequestError: ``param`` "prompt" for a text prompt, "stop" for stop strings.
+    """
+    if text_prompt:
+        raise RequestError("this model was loaded with skip_tokenizer_init (no tokenizer): send the prompt as a "
+                           "list of token ids", "prompt")
+    if stop:
+        raise RequestError("'stop' strings need a tokenizer (skip_tokenizer_init is set): use 'stop_token_ids'",
+                           "stop")
+
+
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, vocab_size: int,
+                 max_model_len: int) -> None:
+    """A prompt's token ids against the vocabulary and the context window.
+
+    Args:
+        prompt_token_ids: the prompt as token ids.
+        max_tokens: requested output tokens; None checks the prompt alone.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+        max_model_len: context window in tokens; prompt + max_tokens must fit, and the prompt
+            must leave room for at least one output token.
+
+    Raises:
+        RequestError: ``param`` "prompt" (empty, out of vocabulary, too long) or "max_tokens"
+            (prompt + max_tokens too long); ``code`` "context_length_exceeded" for the window.
+    """
+    if not prompt_token_ids:
+        raise RequestError("the prompt is empty (no tokens)", "prompt")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt")
+    num = len(prompt_token_ids)
+    if num >= max_model_len:
+        raise RequestError(f"the prompt has {num} tokens; this model's context window is {max_model_len} tokens",
+                           "prompt", "context_length_exceeded")
+    if max_tokens is not None and num + max_tokens > max_model_len:
+        raise RequestError(f"prompt ({num} tokens) + max_tokens ({max_tokens}) exceeds the context window of "
+                           f"{max_model_len} tokens", "max_tokens", "context_length_exceeded")

@@ -1,0 +1,70 @@
+"""RemoteDrafter's fallback without a Ray cluster: an in-process DraftServer behind a fake handle
+(tests/helpers/fake_ray.py). A timed-out or dead draft actor costs one step's speculation and is
+re-created; an error raised inside a healthy actor costs the step but keeps the actor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors import draft_server
+from actors.draft_server import DraftActorSpec, DraftServer, RemoteDrafter
+from engine.drafters.base import DraftRequest
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.loader import load_model
+from tests.helpers.fake_ray import FakeActor, FakeRay
+
+DRAFT = "checkpoints/stdlib-draft"
+
+
+class FakeDrafter(RemoteDrafter):
+    """Each new actor is a FakeActor over an in-process DraftServer; ``behaviours`` lists how the
+    actors of successive generations answer (the last one repeats)."""
+
+    behaviours = ["ok"]
+
+    def _make(self):
+        behaviour = self.behaviours[min(self.generation, len(self.behaviours) - 1)]
+        return FakeActor(DraftServer(DRAFT, max_seqs=4), behaviour)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    fake = FakeRay()
+    monkeypatch.setattr(draft_server, "ray", fake)
+    monkeypatch.setattr(draft_server, "kill_actor", lambda handle: setattr(handle, "behaviour", "killed"))
+    return fake
+
+
+def _requests():
+    return [DraftRequest("a", list(range(5, 40)), 4),
+            DraftRequest("c", [7, 8, 9], 2, temperature=0.9, generator=torch.Generator().manual_seed(5))]
+
+
+def _drafter(behaviours: list[str]) -> FakeDrafter:
+    spec = DraftActorSpec(DRAFT, "float32", "cpu", 4, None, None, "test-draft", "specmoe")
+    FakeDrafter.behaviours = behaviours
+    return FakeDrafter(spec, timeout_s=0.25)
+
+
+@pytest.mark.parametrize("failure", ["hung", "dead"])
+def test_a_timed_out_or_dead_draft_actor_costs_one_step_and_is_recreated(fake_ray, failure):
+    expected = DraftModelDrafter(load_model(DRAFT, "float32", "cpu"), 4, None).propose(_requests())
+    assert all(p.token_ids for p in expected)
+    drafter = _drafter([failure, "ok"])
+    failed = drafter.propose(_requests())
+    assert [p.token_ids for p in failed] == [[], []] and all(p.probs is None for p in failed)
+    assert (drafter.num_failures, drafter.generation) == (1, 1)
+    assert fake_ray.timeouts == (1 if failure == "hung" else 0)
+    recovered = drafter.propose(_requests())
+    assert [p.token_ids for p in recovered] == [p.token_ids for p in expected]
+    torch.testing.assert_close(recovered[1].probs, expected[1].probs, rtol=0, atol=0)
+
+
+def test_an_error_inside_a_live_actor_keeps_the_actor(fake_ray):
+    drafter = _drafter(["ok"])
+    handle = drafter.member.handle
+    bad = [DraftRequest("x", [10**9], 2)]  # out-of-vocabulary id: the draft model raises inside the actor
+    assert [p.token_ids for p in drafter.propose(bad)] == [[]]
+    assert (drafter.num_failures, drafter.generation) == (1, 0) and drafter.member.handle is handle
+    assert [len(p.token_ids) for p in drafter.propose(_requests())] == [4, 2]

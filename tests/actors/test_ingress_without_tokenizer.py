@@ -1,0 +1,107 @@
+"""The HTTP ingress of a server started with engine.skip_tokenizer_init, without Ray: the ingress
+in a plain FastAPI app over an in-process EngineLoop. Token-id prompts answer token ids (text
+empty); text prompts, chat and stop strings answer a clear 400 in OpenAI's error shape."""
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgspec
+import pytest
+from fastapi import FastAPI, Request
+
+from actors.config import ServeConfig
+from actors.engine_loop import EngineLoop
+from actors.ingress import IngressServer
+from engine import LLM, SamplingParams
+from engine.args import EngineArgs
+from engine.llm import build_engine
+from tests.engine.test_skip_tokenizer_init import DRAFT, PROMPTS, TARGET, without_tokenizer
+
+
+class _Stream:
+    """A verifier stream as IngressServer uses it: async iteration plus ``cancel()``."""
+
+    def __init__(self, gen) -> None:
+        self.gen = gen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.gen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.gen.aclose())
+
+
+class _LocalVerifier:
+    """``generate.remote(...)`` over an EngineLoop (one per event loop: each test runs its own)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.loop, self.owner = engine, None, None
+        self.generate = self
+
+    def remote(self, ids, params, prompt, rid, carrier) -> _Stream:
+        if self.owner is not asyncio.get_running_loop():
+            self.loop, self.owner = EngineLoop(self.engine, ThreadPoolExecutor(1)), asyncio.get_running_loop()
+        return _Stream(self.loop.generate(ids, params, prompt, rid, carrier))
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory) -> FastAPI:
+    root = tmp_path_factory.mktemp("bare-http")
+    target, draft = without_tokenizer(TARGET, root / "target"), without_tokenizer(DRAFT, root / "draft")
+    engine = {"model": str(target), "draft_model": str(draft), "num_speculative_tokens": 3,
+              "skip_tokenizer_init": True}
+    config = msgspec.convert({"model_name": "m", "engine": engine}, ServeConfig)
+    server = IngressServer(config, _LocalVerifier(build_engine(msgspec.convert(engine, EngineArgs))))
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await server.chat_completions(request)
+
+    return app
+
+
+def _post(app: FastAPI, *requests: tuple[str, dict]) -> list[httpx.Response]:
+    """The requests, one after the other, in one event loop."""
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return [await client.post(path, json=body, timeout=60) for path, body in requests]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "def f():"}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ("/v1/completions", {"prompt": PROMPTS[0], "stop": "\n"}, "stop"),
+])
+def test_what_needs_a_tokenizer_answers_a_clear_400(app, path, body, param):
+    [r] = _post(app, (path, {"model": "m", "max_tokens": 4, **body}))
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error", param)
+    assert "skip_tokenizer_init" in err["message"]
+
+
+def test_token_id_prompts_answer_token_ids(app):
+    reference = LLM(str(TARGET), draft_model=str(DRAFT), num_speculative_tokens=3)
+    want = reference.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    body = {"model": "m", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1}
+    r, stream = _post(app, ("/v1/completions", body), ("/v1/completions", {**body, "stream": True}))
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "" and choice["token_ids"] == want.token_ids
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in want.token_ids]
+    assert r.json()["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 8, "total_tokens": 15}
+    chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want.token_ids

@@ -1,0 +1,54 @@
+"""One range table: the engine's SamplingParams and the HTTP protocol accept and refuse the same values."""
+
+import msgspec
+import pytest
+
+from actors.openai_protocol import CompletionRequest, ProtocolError, decode_request
+from engine import SamplingParams
+from engine.request_ranges import RANGES, RequestError, check_prompt
+
+# (field, refused value, accepted value at the edge of the range)
+EDGES = [
+    ("temperature", 2.01, 2.0), ("temperature", -0.1, 0.0), ("top_p", 0.0, 1.0), ("top_p", 1.01, 1e-6),
+    ("n", 0, 1), ("n", 9, 8), ("top_k", -2, -1), ("seed", -1, 2**63 - 1), ("max_tokens", 0, 1),
+    ("num_speculative_tokens", 17, 16), ("stop_token_ids", [3, -1], [0, 2**31 - 1]),
+    ("stop", ["a", "b", "c", "d", "e"], ["a", "b", "c", "d"]), ("stop", [""], ["x"]),
+]
+
+
+def _http(field: str, value) -> CompletionRequest:
+    body = {"model": "m", "prompt": "x", "max_tokens": 4, field: value}
+    return decode_request(msgspec.json.encode(body), CompletionRequest)
+
+
+@pytest.mark.parametrize(("field", "bad", "good"), EDGES)
+def test_engine_and_http_share_each_bound(field, bad, good):
+    with pytest.raises(RequestError) as engine_err:
+        SamplingParams(**{field: bad})
+    with pytest.raises(ProtocolError) as http_err:
+        _http(field, bad)
+    assert engine_err.value.param == http_err.value.param == field
+    assert str(engine_err.value) == str(http_err.value)  # the same rule, word for word
+    assert http_err.value.status == 400
+    assert getattr(SamplingParams(**{field: good}), field) == good
+    assert getattr(_http(field, good), field) == good
+
+
+def test_every_table_entry_is_enforced_by_the_engine_or_the_protocol():
+    assert set(RANGES) == {"n", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "top_logprobs",
+                           "num_speculative_tokens", "stop_token_ids"}
+    with pytest.raises(RequestError, match=r"'logprobs' must be in \[0, 5\], got 6"):
+        SamplingParams(logprobs=6)
+    with pytest.raises(ProtocolError, match=r"'logprobs' must be in \[0, 5\], got 6"):
+        _http("logprobs", 6)
+
+
+@pytest.mark.parametrize(("ids", "max_tokens", "param", "code"), [
+    ([], 4, "prompt", None), ([5, 99], 4, "prompt", None), ([1] * 16, None, "prompt", "context_length_exceeded"),
+    ([1] * 10, 7, "max_tokens", "context_length_exceeded"),
+])
+def test_prompt_checks_name_their_parameter(ids, max_tokens, param, code):
+    with pytest.raises(RequestError) as err:
+        check_prompt(ids, max_tokens, vocab_size=64, max_model_len=16)
+    assert (err.value.param, err.value.code) == (param, code)
+    check_prompt([1] * 10, 6, vocab_size=64, max_model_len=16)  # exactly fills the window: fine
