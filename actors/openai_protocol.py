@@ -94,7 +94,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
         self.check_unsupported()
         with protocol_errors():
             for name in ("max_tokens", "temperature", "top_p", "n", "top_k", "seed", "stop_token_ids",
-                         "num_speculative_tokens"):
+                         "num_speculative_tokens", "priority"):
                 check_range(name, getattr(self, name))
             check_stop([self.stop] if isinstance(self.stop, str) else self.stop or [])
 

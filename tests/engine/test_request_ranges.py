@@ -13,6 +13,7 @@ EDGES = [
     ("n", 0, 1), ("n", 9, 8), ("top_k", -2, -1), ("seed", -1, 2**63 - 1), ("max_tokens", 0, 1),
     ("num_speculative_tokens", 17, 16), ("stop_token_ids", [3, -1], [0, 2**31 - 1]),
     ("stop", ["a", "b", "c", "d", "e"], ["a", "b", "c", "d"]), ("stop", [""], ["x"]),
+    ("priority", 2**31, -(2**31)),
 ]
 
 
@@ -36,7 +37,7 @@ def test_engine_and_http_share_each_bound(field, bad, good):
 
 def test_every_table_entry_is_enforced_by_the_engine_or_the_protocol():
     assert set(RANGES) == {"n", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "top_logprobs",
-                           "num_speculative_tokens", "stop_token_ids"}
+                           "num_speculative_tokens", "stop_token_ids", "priority"}
     with pytest.raises(RequestError, match=r"'logprobs' must be in \[0, 5\], got 6"):
         SamplingParams(logprobs=6)
     with pytest.raises(ProtocolError, match=r"'logprobs' must be in \[0, 5\], got 6"):
