@@ -70,12 +70,28 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """Ray Serve options of one deployment."""
+    """Ray Serve options of one deployment (a Serve config file's ``deployments[]`` override them).
+
+    Attributes:
+        graceful_shutdown_timeout_s: how long a replica being removed (scale-down, redeploy) may
+            finish its requests before Serve kills it. Shutting the server down ends streams first
+            (a drain), so this bound does not add to the exit time.
+        graceful_shutdown_wait_loop_s: how often a stopping replica checks for finished requests
+            (Serve's default of 2 s would add up to 2 s to every exit).
+    """
 
     num_replicas: int = 1
     num_cpus: float = 0.0
     num_gpus: float = 0.0
     max_ongoing_requests: int = 256
+    graceful_shutdown_timeout_s: float = 20.0
+    graceful_shutdown_wait_loop_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.max_ongoing_requests < 1:
+            raise ValueError("num_replicas and max_ongoing_requests must be >= 1")
+        if self.graceful_shutdown_timeout_s < 0 or self.graceful_shutdown_wait_loop_s <= 0:
+            raise ValueError("graceful_shutdown_timeout_s must be >= 0 and graceful_shutdown_wait_loop_s > 0")
 
 
 class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -94,7 +110,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         draft: resources of each verifier replica's draft actor (``num_cpus``, ``num_gpus``; the
             other fields do not apply: the draft actor is part of its verifier's serving unit).
         http: where the HTTP proxy listens.
-        request_timeout_s: a request still running after this long is cancelled.
+        request_timeout_s: a request still running this long after it arrived is cancelled (its KV
+            slots freed): a 504 in OpenAI's error shape, or an error chunk and ``[DONE]`` when its
+            stream has already started.
         verifier_start_timeout_s: longest engine build (weights, draft actor) of a verifier replica.
         engine_step_timeout_s: a step running longer than this fails the replica's health check
             (Serve then replaces the replica).
@@ -112,3 +130,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verifier_start_timeout_s: float = 300.0
     engine_step_timeout_s: float = 60.0
     tracing: TracingConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")

@@ -20,7 +20,8 @@ import msgspec
 import torch
 
 from actors.config import ServeConfig
-from actors.engine_loop import EngineLoop
+from actors.engine_loop import SHUTTING_DOWN, EngineLoop
+from actors.stream_items import unavailable_item
 from engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class VerifierServer:
         self._start_lock = asyncio.Lock()
         self._engine_factory = engine_factory or self.build_engine
         self.pool = None
+        self.draining = False
         if engine_factory is None:
             self._build_pool()
 
@@ -123,9 +125,18 @@ class VerifierServer:
     async def generate(self, prompt_token_ids: list[int], params: dict, prompt: str | None = None,
                        request_id: str | None = None, carrier: dict | None = None) -> AsyncIterator[dict]:
         """Stream engine outputs for one request (see :meth:`EngineLoop.generate`)."""
+        if self.draining:  # shutting down: no engine build for a request that cannot finish
+            yield unavailable_item(SHUTTING_DOWN)
+            return
         await self._ensure_started()
         async for item in self.loop.generate(prompt_token_ids, params, prompt, request_id, carrier):
             yield item
+
+    def drain(self) -> int:
+        """End in-flight streams with a 503 and refuse new requests (shutdown; see
+        :meth:`EngineLoop.drain`). Returns the number of streams ended."""
+        self.draining = True
+        return self.loop.drain() if self.loop is not None else 0
 
     async def stats(self) -> dict:
         """Engine totals and pool state (tests, /health, benchmarks)."""
