@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -29,8 +30,8 @@ APP_NAME = "specmoe"
 # Relative checkpoint paths in a Serve config's args are relative to the repository (where this
 # file is): `serve run` builds the app in a Ray worker whose working directory is not the shell's.
 REPO_ROOT = Path(__file__).resolve().parent
-SHUTDOWN_DRAIN_TIMEOUT_S = 4.0  # longest wait for in-flight streams to end before Serve shuts down
-_running: dict = {}  # the app this process started: {"config": ServeConfig, "owns_ray": bool}
+SHUTDOWN_DRAIN_TIMEOUT_S = 2.0  # longest wait for the drain signal to be delivered
+_running: dict = {}  # the app this process deployed: {"owns_ray": bool, "signal": drain signal actor}
 
 
 class StartupError(RuntimeError):
@@ -70,16 +71,17 @@ def ray_env() -> dict:
 
 
 def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 300.0,
-          address: str | None = None) -> str:
+          address: str | None = None, sigterm: Callable | None = None) -> str:
     """Join the Ray cluster at ``address`` (else ``RAY_ADDRESS``) or start a loopback-only local Ray,
-    deploy the application and return its base URL once it answers.
+    deploy the application and return its base URL once it answers. ``sigterm``: a SIGTERM handler
+    to (re)install once Ray is up (``ray.init`` replaces the process's handler with its own).
 
     Raises:
         StartupError: missing checkpoint, port in use, or the app not becoming healthy in time.
     """
     from ray import serve
 
-    from actors.cluster import cluster_address, init_ray
+    from actors.cluster import cluster_address, create_drain_signal, init_ray
     from actors.deployments import build_app as bind_app
 
     address = cluster_address(address)
@@ -87,7 +89,9 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
         check_port(config.http.host, config.http.port)
     owns_ray = init_ray(config.experts.namespace, ray_env(), address)
-    _running.update(config=config, owns_ray=owns_ray)
+    if sigterm is not None:
+        signal.signal(signal.SIGTERM, sigterm)
+    _running.update(owns_ray=owns_ray, signal=create_drain_signal(config.experts.namespace))
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
     serve.run(bind_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.http.host}:{config.http.port}"
@@ -141,12 +145,12 @@ def stop(drain_timeout_s: float = SHUTDOWN_DRAIN_TIMEOUT_S) -> None:
     import ray
     from ray import serve
 
-    from actors.deployments import drain_app
+    from actors.cluster import drain
 
-    config, owns_ray = _running.pop("config", None), _running.pop("owns_ray", True)
+    signal, owns_ray = _running.pop("signal", None), _running.pop("owns_ray", True)
     try:
-        if config is not None:
-            drain_app(config, APP_NAME, drain_timeout_s)
+        if signal is not None:
+            drain(signal, drain_timeout_s)
         if owns_ray:
             serve.shutdown()
         else:
@@ -183,25 +187,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", help="Ray cluster to deploy onto (default: $RAY_ADDRESS; unset: start a "
                                           "local Ray that listens on 127.0.0.1 only)")
     args = parser.parse_args(argv)
+    # SIGTERM (docker stop, Kubernetes, systemd) shuts down like Ctrl-C, also during start-up
+    # (ray.init installs its own handler, so start() puts ours back).
+    signal.signal(signal.SIGTERM, _sigterm)
     try:
         config = apply_overrides(load_yaml(args.config, ServeConfig), args)
-        url = start(config, address=args.address)
+        url = start(config, address=args.address, sigterm=_sigterm)
     except (ConfigError, StartupError) as e:
         print(f"specmoe: cannot start: {e}", file=sys.stderr)
+        _stop_if_started()
         return 2
+    except (KeyboardInterrupt, SystemExit):
+        print("specmoe: interrupted while starting; shutting down")
+        _stop_if_started()
+        return 0
     print(f"specmoe is serving {config.model_name!r} at {url}/v1")
     print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
           f"\"temperature\": 0}}'")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):
         print("specmoe: shutting down")
     finally:
+        t0 = time.monotonic()
         stop()
+        print(f"specmoe: stopped in {time.monotonic() - t0:.1f} s")
     return 0
+
+
+def _sigterm(*_) -> None:
+    raise SystemExit(0)
+
+
+def _stop_if_started() -> None:
+    import ray
+
+    if _running or ray.is_initialized():
+        stop()
 
 
 if __name__ == "__main__":

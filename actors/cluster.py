@@ -8,8 +8,10 @@ the network: every Ray component of it binds 127.0.0.1, except one that Ray 2.60
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +21,8 @@ LOOPBACK = "127.0.0.1"
 # Serve replica process listens on one wildcard port whatever the node address is. Nothing else of
 # the embedded instance does.
 UNCONFINABLE_LISTENERS = {"ray::ServeReplica": 1}
+DRAIN_SIGNAL = "specmoe-drain"  # named actor through which serve_app.py tells verifiers to drain
+FLUSH_S = 0.5  # after a drain: time for the ingress and the proxy to send the streams' last chunks
 
 
 def cluster_address(cli_address: str | None = None) -> str | None:
@@ -70,3 +74,66 @@ def init_ray(namespace: str, env_vars: dict, address: str | None = None) -> bool
         log.warning("the embedded Ray node address is %s, not %s: its ports may be reachable from the network",
                     node_ip, LOOPBACK)
     return True
+
+
+class DrainSignal:
+    """One flag every verifier replica waits on (an async actor: one pending call per replica, no
+    polling). Set when the process that deployed the app shuts it down: Serve kills its HTTP
+    proxies at once on shutdown, so streams must end before that, and Serve has no hook that tells
+    a replica its shutdown has begun."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def _flag(self) -> asyncio.Event:
+        if self._event is None:  # created on the actor's event loop, at the first call
+            self._event = asyncio.Event()
+        return self._event
+
+    async def wait(self) -> None:
+        await self._flag().wait()
+
+    async def set(self) -> None:
+        self._flag().set()
+
+
+def create_drain_signal(namespace: str):
+    """The app's drain signal actor (owned by this process: it dies with it)."""
+    import ray
+
+    return ray.remote(DrainSignal).options(name=DRAIN_SIGNAL, namespace=namespace, get_if_exists=True,
+                                           num_cpus=0).remote()
+
+
+def drain(signal, timeout_s: float) -> bool:
+    """Tell every verifier replica to end its streams (a 503 chunk and ``[DONE]``; a 503 for requests
+    not yet started) and refuse new ones, then give the last chunks time to reach the clients.
+
+    Returns:
+        True when the signal was delivered within ``timeout_s``.
+    """
+    import ray
+
+    try:
+        ray.get(signal.set.remote(), timeout=timeout_s)
+    except Exception as e:  # shutting down anyway: streams are then cut instead of ended
+        log.warning("draining failed (%s: %s)", type(e).__name__, e)
+        return False
+    time.sleep(FLUSH_S)
+    return True
+
+
+async def wait_for_drain(namespace: str, on_drain) -> None:
+    """Call ``on_drain()`` once the app's drain signal is set; nothing when no process deployed one
+    (``serve run`` / a Serve config: Serve's own graceful shutdown applies)."""
+    import ray
+
+    try:  # a GCS lookup: off the event loop
+        signal = await asyncio.to_thread(ray.get_actor, DRAIN_SIGNAL, namespace)
+    except ValueError:
+        return
+    try:
+        await signal.wait.remote()
+    except ray.exceptions.RayActorError:  # the deploying process went away without draining
+        return
+    on_drain()

@@ -56,8 +56,10 @@ class VerifierServer:
         self._engine_factory = engine_factory or self.build_engine
         self.pool = None
         self.draining = False
+        self._in_ray = engine_factory is None  # an injected engine is a test without Ray
         if engine_factory is None:
             self._build_pool()
+        self._drain_watch: asyncio.Task | None = None
 
     def _build_pool(self) -> None:
         from actors.expert_pool import ExpertPool
@@ -89,6 +91,16 @@ class VerifierServer:
             self.engine = await asyncio.wait_for(build, self.config.verifier_start_timeout_s)
             self.loop = EngineLoop(self.engine, self._executor, self.config.engine_step_timeout_s,
                                    on_change=self._sync_metrics, carriers=self.telemetry.carriers)
+            if self._in_ray:
+                self._watch_drain()
+
+    def _watch_drain(self) -> None:
+        """Drain when the process that deployed the app shuts it down (``actors/cluster.py``); a
+        replica that has not started its engine has no streams to end."""
+        from actors.cluster import wait_for_drain
+
+        self._drain_watch = asyncio.get_running_loop().create_task(
+            wait_for_drain(self.config.experts.namespace, self.drain))
 
     def _sync_metrics(self) -> None:
         self.metrics.sync_from_engine(self.engine.get_metrics())
