@@ -24,6 +24,12 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         num_gpus: GPU fraction each actor asks for (0 on CPU, where actors reserve no CPU and run
             torch with ``torch_threads`` threads).
         torch_threads: torch intra-op threads inside each expert actor.
+        resources: custom Ray resources each expert actor asks for, e.g. ``{"expert_slot": 1}``:
+            only nodes started with that resource (``ray start --resources``, a KubeRay worker
+            group's ``rayStartParams.resources``) take expert actors, and its count bounds how
+            many land on one node.
+        scheduling_strategy: ``SPREAD`` places a unit's expert actors on as many nodes as
+            possible (Ray's spread strategy); ``DEFAULT`` packs them where resources allow.
         straggler_multiple, straggler_floor_ms: a call slower than multiple x the dispatch's median
             and above the floor is flagged as a straggler.
         namespace: Ray namespace of the named expert actors.
@@ -49,6 +55,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     max_attempts: int = 3
     num_gpus: float = 0.0
     torch_threads: int = 1
+    resources: dict[str, float] = msgspec.field(default_factory=dict)
+    scheduling_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
     straggler_multiple: float = 3.0
     straggler_floor_ms: float = 5.0
     namespace: str = "specmoe"
@@ -62,6 +70,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             raise ValueError("experts.experts_per_actor must be >= 1")
         if self.replicas < 1 or any(r < 1 for r in self.hot_expert_replicas.values()):
             raise ValueError("experts.replicas and experts.hot_expert_replicas values must be >= 1")
+        if any(v <= 0 for v in self.resources.values()):
+            raise ValueError("experts.resources values must be > 0")
         if self.call_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("experts.call_timeout_s must be > 0 and experts.max_attempts >= 1")
         if self.graph_idle_teardown_s <= 0 or self.graph_buffer_size_bytes < 1024 or self.graph_build_after_s < 0:
