@@ -31,7 +31,8 @@ APP_NAME = "specmoe"
 # file is): `serve run` builds the app in a Ray worker whose working directory is not the shell's.
 REPO_ROOT = Path(__file__).resolve().parent
 SHUTDOWN_DRAIN_TIMEOUT_S = 2.0  # longest wait for the drain signal to be delivered
-_running: dict = {}  # the app this process deployed: {"owns_ray": bool, "signal": drain signal actor}
+_running: dict = {}  # the app this process deployed: owns_ray, namespace, signal (drain actor)
+SHARED_EXPERT_PREFIX = "specmoe-experts-g"  # the detached shared pool's actor names (actors/expert_pool.py)
 
 
 class StartupError(RuntimeError):
@@ -91,8 +92,10 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     owns_ray = init_ray(config.experts.namespace, ray_env(), address)
     if sigterm is not None:
         signal.signal(signal.SIGTERM, sigterm)
-    _running.update(owns_ray=owns_ray, signal=create_drain_signal(config.experts.namespace))
-    serve.start(http_options={"host": config.http.host, "port": config.http.port})
+    _running.update(owns_ray=owns_ray, namespace=config.experts.namespace,
+                    signal=create_drain_signal(config.experts.namespace))
+    serve.start(proxy_location=config.http.proxy_location,
+                http_options={"host": config.http.host, "port": config.http.port})
     serve.run(bind_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.http.host}:{config.http.port}"
     _wait_healthy(url, wait_ready_s)
@@ -145,16 +148,19 @@ def stop(drain_timeout_s: float = SHUTDOWN_DRAIN_TIMEOUT_S) -> None:
     import ray
     from ray import serve
 
-    from actors.cluster import drain
+    from actors.cluster import drain, kill_detached_actors
 
     signal, owns_ray = _running.pop("signal", None), _running.pop("owns_ray", True)
+    namespace = _running.pop("namespace", None)
     try:
         if signal is not None:
             drain(signal, drain_timeout_s)
         if owns_ray:
             serve.shutdown()
-        else:
+        else:  # the cluster stays up: remove only what this app made
             serve.delete(APP_NAME)
+            if namespace is not None:
+                kill_detached_actors(namespace, SHARED_EXPERT_PREFIX)
     finally:
         ray.shutdown()
 
@@ -163,7 +169,7 @@ def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfi
     """Command-line overrides (for benchmark sweeps), re-validated like the YAML."""
     raw = msgspec.to_builtins(config)
     if args.host or args.port:
-        raw["http"] = {"host": args.host or config.http.host, "port": args.port or config.http.port}
+        raw["http"].update(host=args.host or config.http.host, port=args.port or config.http.port)
     if args.speculative_method == "none":
         raw["engine"].update(speculative_method=None, draft_model=None, num_speculative_tokens=0)
     elif args.speculative_method:

@@ -137,3 +137,27 @@ async def wait_for_drain(namespace: str, on_drain) -> None:
     except ray.exceptions.RayActorError:  # the deploying process went away without draining
         return
     on_drain()
+
+
+def kill_detached_actors(namespace: str, prefix: str) -> list[str]:
+    """Kill this app's detached actors (the shared expert pool of ``transport: actor_calls``
+    outlives the replicas that made it): on a cluster that keeps running after the app is deleted
+    they would hold their weights, and GPU shares, forever.
+
+    Returns:
+        The names killed.
+    """
+    import ray
+
+    from actors.compiled_graph import kill_actor
+
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace or not entry["name"].startswith(prefix):
+            continue
+        try:
+            kill_actor(ray.get_actor(entry["name"], namespace=namespace))
+        except ValueError:  # gone meanwhile
+            continue
+        killed.append(entry["name"])
+    return killed

@@ -105,8 +105,17 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
 
 class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Where Serve's HTTP proxies listen (``serve_app.py`` only; a Serve config file has its own
+    ``http_options``/``proxy_location``).
+
+    Attributes:
+        proxy_location: Serve's ``EveryNode`` (a proxy on every node with a replica) or
+            ``HeadOnly`` (several Ray nodes on one machine would all bind the same port).
+    """
+
     host: str = "127.0.0.1"
     port: int = 8000
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
