@@ -38,11 +38,12 @@ def _loopback_node_address() -> None:
     cluster), and its gRPC servers then bind that address or the wildcard. Its single-machine
     switch, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, keeps the loopback address; with it GCS,
     raylet, object manager, core workers and the agents bind 127.0.0.1 only. The switch is read
-    when ``ray`` is imported, so the imported constant is set as well.
+    when ``ray`` is imported, so the imported constant is set instead; the environment is left
+    alone because child processes that start clusters of their own (tests, tools) would inherit it.
+    The Ray processes need nothing more: they get the node address on their command lines.
     """
     from ray._private import ray_constants
 
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 

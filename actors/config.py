@@ -88,6 +88,8 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             (a drain), so this bound does not add to the exit time.
         graceful_shutdown_wait_loop_s: how often a stopping replica checks for finished requests
             (Serve's default of 2 s would add up to 2 s to every exit).
+        resources: custom Ray resources each replica asks for (e.g. pin the ingress to nodes
+            that advertise ``{ingress: 1}``).
     """
 
     num_replicas: int = 1
@@ -96,6 +98,7 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     max_ongoing_requests: int = 256
     graceful_shutdown_timeout_s: float = 20.0
     graceful_shutdown_wait_loop_s: float = 0.2
+    resources: dict[str, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1 or self.max_ongoing_requests < 1:

@@ -50,7 +50,7 @@ def _options(d) -> dict:
     return dict(num_replicas=d.num_replicas, max_ongoing_requests=d.max_ongoing_requests,
                 graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
                 graceful_shutdown_wait_loop_s=d.graceful_shutdown_wait_loop_s,
-                ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus})
+                ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus, "resources": dict(d.resources)})
 
 
 def build_app(config: ServeConfig):

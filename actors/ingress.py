@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.chat_template import ChatTemplate
 from actors.config import ServeConfig
+from actors.failover import ResumableStream
 from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
 from actors.responses import ResponseBuilder, error_body, sse
 from actors.telemetry import RequestTelemetry
@@ -225,8 +226,7 @@ class IngressServer:
             tel.finish(503, rid)
             return failed.response()
         deadline = tel_start_s + self.config.request_timeout_s
-        stream = self._verifier_stream.generate.remote(ids, msgspec.to_builtins(params), prompt_text, rid,
-                                                         tel.trace.carrier())
+        stream = self._submit(ids, params, prompt_text, rid, tel.trace.carrier())
         try:
             first = await self._next(stream, deadline)
             if first["type"] == "error":
@@ -257,6 +257,15 @@ class IngressServer:
             stream.cancel()  # done, failed or timed out: the verifier aborts an unfinished request
             tel.finish(status, rid)
         return JSONResponse(builder.final())
+
+    def _submit(self, ids: list[int], params, prompt_text: str | None, rid: str, carrier: dict | None):
+        """The request's verifier stream; it fails over to another verifier replica when its own
+        dies (``actors/failover.py``)."""
+        def submit(prompt_ids: list[int], wire_params: dict):
+            text = prompt_text if len(prompt_ids) == len(ids) else None  # a resubmission has no prompt text
+            return self._verifier_stream.generate.remote(prompt_ids, wire_params, text, rid, carrier)
+
+        return ResumableStream(submit, ids, msgspec.to_builtins(params), _verifier_gone)
 
     def _failed(self, e: BaseException, rid: str) -> RequestFailed:
         failed = _failure(e, self.config.request_timeout_s)

@@ -66,6 +66,9 @@ def app(cluster, tmp_path_factory):
     config["http"] = {"host": "127.0.0.1", "port": port, "proxy_location": "HeadOnly"}
     config["engine"].update(num_speculative_tokens=4)
     config["engine"]["scheduler"].update(max_num_seqs=8, max_waiting=8)
+    # The ingress and verifier stay on the head: a lost worker takes expert actors (and maybe the
+    # draft actor) with it, which the unit survives, not the replicas themselves.
+    config["ingress"] = config["verifier"] = {"resources": {"serving": 1}}
     config["experts"] = {"experts_per_actor": 2, "transport": "actor_calls", "call_timeout_s": 5.0,
                          "resources": {"expert_slot": 1}, "scheduling_strategy": "SPREAD", "namespace": NAMESPACE}
     path = tmp_path_factory.mktemp("cluster") / "cluster.yaml"

@@ -75,6 +75,18 @@ def _tree(proc) -> list[psutil.Process]:
     return [root] + root.children(recursive=True)
 
 
+def _replicas(proc, deployment: str) -> list[psutil.Process]:
+    """The live Serve replica processes of one deployment in the server's process tree."""
+    found = []
+    for p in _tree(proc):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and f"ServeReplica:specmoe:{deployment}" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # exited meanwhile
+            continue
+    return found
+
+
 def _kv_usage(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
     return float(re.search(r'^specmoe:kv_cache_usage_perc\{model_name="stdlib-moe"\} (\S+)$', text, re.M)[1])
@@ -163,7 +175,7 @@ def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back(server):
         httpx.post(url + "/v1/completions", json=LONG, timeout=60)), daemon=True)
     request.start()
     _wait_first_event(out)
-    verifier = [p for p in _tree(proc) if "ServeReplica:specmoe:verifier" in " ".join(p.cmdline())]
+    verifier = _replicas(proc, "verifier")
     assert len(verifier) == 1
     verifier[0].send_signal(signal.SIGKILL)
     stream.join(30)

@@ -19,10 +19,13 @@ from tests.actors.conftest import DRAFT, MODEL_NAME, TARGET
 BODY = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 8}
 
 
-def _step(text: str) -> dict:
-    return {"type": "step", "finished": False, "choices": [
-        {"index": 0, "new_text": text, "new_token_ids": [5], "finish_reason": None, "stop_reason": None,
-         "new_logprobs": None, "num_tokens": 1}]}
+def _step(text: str, token: int = 5, num_tokens: int = 1, finish: str | None = None) -> dict:
+    item = {"type": "step", "finished": finish is not None, "choices": [
+        {"index": 0, "new_text": text, "new_token_ids": [token], "finish_reason": finish, "stop_reason": None,
+         "new_logprobs": None, "num_tokens": num_tokens}]}
+    if finish:
+        item["usage"] = {"prompt_tokens": 99, "completion_tokens": num_tokens}
+    return item
 
 
 class FakeStream:
@@ -51,13 +54,20 @@ class FakeStream:
 
 
 class FakeVerifier:
-    """``generate.remote`` returns the next scripted stream; ``stats.remote`` fails while ``down``."""
+    """``generate.remote`` returns the next scripted stream (recording its arguments), else one that
+    never answers (a Serve handle queues requests while no replica is up); ``stats.remote`` fails
+    while ``down``."""
 
     def __init__(self) -> None:
         self.streams: list[FakeStream] = []
+        self.calls: list[tuple] = []
         self.down = False
-        self.generate = type("G", (), {"remote": lambda _, *a: self.streams.pop(0)})()
+        self.generate = type("G", (), {"remote": lambda _, *a: self._generate(a)})()
         self.stats = type("S", (), {"remote": lambda _: self._stats()})()
+
+    def _generate(self, args: tuple) -> FakeStream:
+        self.calls.append(args)
+        return self.streams.pop(0) if self.streams else FakeStream([], then="hang")
 
     async def _stats(self) -> dict:
         if self.down:
@@ -117,7 +127,7 @@ def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back():
     verifier = FakeVerifier()
     dies_before = FakeStream([], then=ActorDiedError())
     dies_during = FakeStream([{"type": "accepted"}, _step("a")], then=ActorDiedError())
-    verifier.streams = [dies_before, dies_during]
+    verifier.streams = [dies_before]  # its resubmission waits for a replica: none comes (single replica)
     server, app = _server(verifier)
     verifier.down = True
 
@@ -141,6 +151,7 @@ def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back():
     assert first.json()["error"]["type"] == "server_overloaded" and "ActorDiedError" in first.json()["error"]["message"]
     assert (while_down.status_code, while_down.headers["retry-after"]) == (503, "5")
     assert health_down.status_code == 503
+    assert len(verifier.calls) == 4  # each failed request tried one resubmission, never accepted
     events = _sse_events(streamed.text)
     assert events[-2]["error"]["code"] == 503 and events[-1] == "[DONE]"
 
@@ -158,3 +169,23 @@ def test_a_draining_verifier_ends_streams_with_503_chunks_and_refuses_with_503()
                                    "code": 503}
     assert events[-1] == "[DONE]"
     assert (refused.status_code, refused.headers["retry-after"]) == (503, "1")
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_dying_mid_stream_fails_over_with_prompt_plus_emitted_tokens():
+    verifier = FakeVerifier()
+    dies = FakeStream([{"type": "accepted"}, _step("a", 11), _step("b", 12, 2)], then=ActorDiedError())
+    survivor = FakeStream([{"type": "accepted"}, _step("c", 13, 1), _step("d", 14, 2, finish="length")])
+    verifier.streams = [dies, survivor]
+    server, app = _server(verifier)
+    body = {**BODY, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    (streamed,) = _run(app, [body])
+    events = _sse_events(streamed.text)
+    texts = [e["choices"][0]["text"] for e in events if e != "[DONE]" and e.get("choices")]
+    assert texts == ["a", "b", "c", "d"] and events[-1] == "[DONE]"  # no duplicate, no gap
+    assert events[-2]["usage"]["completion_tokens"] == 4
+    assert events[-2]["usage"]["prompt_tokens"] == len(verifier.calls[0][0])
+    (ids, params, text, *_), (ids2, params2, text2, *_) = verifier.calls
+    assert ids2 == ids + [11, 12] and params2["max_tokens"] == 2 and params["max_tokens"] == 4
+    assert text is not None and text2 is None
+    assert dies.cancelled and server._probe is None  # failed over: nothing marks the verifier gone

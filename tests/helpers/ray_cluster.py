@@ -5,6 +5,8 @@ EOF (the test's end, or its crash).
 
     python tests/helpers/ray_cluster.py NUM_WORKERS EXPERT_SLOTS_PER_WORKER
 
+The head advertises ``serving`` (for the ingress and verifier), each worker ``expert_slot``.
+
 Commands: ``experts NAMESPACE`` ({actor name: node id} of the live ``specmoe-experts-*`` actors),
 ``remove WORKER_INDEX``, ``add`` (one more worker; answers its node id).
 """
@@ -38,7 +40,8 @@ def main() -> None:
     system_config = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                      "health_check_initial_delay_ms": 0}
     cluster = Cluster(initialize_head=True, connect=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False, "_system_config": system_config})
+                      head_node_args={"num_cpus": 1, "include_dashboard": False, "resources": {"serving": 4},
+                                      "_system_config": system_config})
     workers = [cluster.add_node(**worker_args) for _ in range(num_workers)]
     cluster.wait_for_nodes()
     print(json.dumps({"address": cluster.address, "head": cluster.head_node.node_id,
