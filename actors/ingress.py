@@ -243,6 +243,10 @@ class IngressServer:
         if req.stream:
             return StreamingResponse(self._sse(stream, builder, req.include_usage, tel, deadline),
                                      media_type="text/event-stream")
+        return await self._whole(stream, builder, tel, deadline)
+
+    async def _whole(self, stream, builder: ResponseBuilder, tel: RequestTelemetry, deadline: float) -> Response:
+        """A non-streaming response: the whole stream, then one body (or an error)."""
         status = 200
         try:
             async for item in self._items(stream, deadline):
@@ -250,12 +254,12 @@ class IngressServer:
             if "error" in builder.finish:
                 raise RuntimeError("the engine failed this request")
         except Exception as e:
-            failed = self._failed(e, rid)
+            failed = self._failed(e, builder.id)
             status = failed.status
             return failed.response()
         finally:
             stream.cancel()  # done, failed or timed out: the verifier aborts an unfinished request
-            tel.finish(status, rid)
+            tel.finish(status, builder.id)
         return JSONResponse(builder.final())
 
     def _submit(self, ids: list[int], params, prompt_text: str | None, rid: str, carrier: dict | None):
