@@ -1,9 +1,12 @@
 """Wire specmoe's Ray Serve application from a YAML config and run it.
 
     python serve_app.py --config configs/embedded.yaml      # what `make serve` runs
+    RAY_ADDRESS=<head>:6379 python serve_app.py ...          # deploy onto a running cluster
+    serve run configs/serve.yaml                             # Serve config file (serve_app:build_app)
 
-Only wiring lives here: the config is validated (msgspec), checkpoint paths resolved, local Ray
-started with this machine's resources, and the deployments of ``actors/deployments.py`` bound.
+Only wiring lives here: the config is validated (msgspec), checkpoint paths resolved, a Ray
+cluster joined or a loopback-only local Ray started (``actors/cluster.py``), and the deployments of
+``actors/deployments.py`` bound.
 """
 
 from __future__ import annotations
@@ -14,13 +17,22 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import msgspec
 
 from actors.config import ServeConfig
 from engine.errors import ConfigError
 from engine.yaml_config import load_yaml
 
 APP_NAME = "specmoe"
+# Relative checkpoint paths in a Serve config's args are relative to the repository (where this
+# file is): `serve run` builds the app in a Ray worker whose working directory is not the shell's.
+REPO_ROOT = Path(__file__).resolve().parent
+SHUTDOWN_DRAIN_TIMEOUT_S = 2.0  # longest wait for the drain signal to be delivered
+_running: dict = {}  # the app this process deployed: owns_ray, namespace, signal (drain actor)
+SHARED_EXPERT_PREFIX = "specmoe-experts-g"  # the detached shared pool's actor names (actors/expert_pool.py)
 
 
 class StartupError(RuntimeError):
@@ -59,27 +71,60 @@ def ray_env() -> dict:
     return env
 
 
-def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 300.0) -> str:
-    """Start local Ray (if needed) and the application; return the base URL once it answers.
+def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 300.0,
+          address: str | None = None, sigterm: Callable | None = None) -> str:
+    """Join the Ray cluster at ``address`` (else ``RAY_ADDRESS``) or start a loopback-only local Ray,
+    deploy the application and return its base URL once it answers. ``sigterm``: a SIGTERM handler
+    to (re)install once Ray is up (``ray.init`` replaces the process's handler with its own).
 
     Raises:
         StartupError: missing checkpoint, port in use, or the app not becoming healthy in time.
     """
-    import ray
     from ray import serve
 
-    from actors.deployments import build_app
+    from actors.cluster import cluster_address, create_drain_signal, init_ray
+    from actors.deployments import build_app as bind_app
 
+    address = cluster_address(address)
     resolve_paths(config, base or Path.cwd())
-    check_port(config.http.host, config.http.port)
-    if not ray.is_initialized():
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace=config.experts.namespace,
-                 runtime_env={"env_vars": ray_env()}, log_to_driver=True)
-    serve.start(http_options={"host": config.http.host, "port": config.http.port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
+        check_port(config.http.host, config.http.port)
+    owns_ray = init_ray(config.experts.namespace, ray_env(), address)
+    if sigterm is not None:
+        signal.signal(signal.SIGTERM, sigterm)
+    _running.update(owns_ray=owns_ray, namespace=config.experts.namespace,
+                    signal=create_drain_signal(config.experts.namespace))
+    serve.start(proxy_location=config.http.proxy_location,
+                http_options={"host": config.http.host, "port": config.http.port})
+    serve.run(bind_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.http.host}:{config.http.port}"
     _wait_healthy(url, wait_ready_s)
     return url
+
+
+def build_app(args: dict):
+    """Ray Serve application builder (``import_path: serve_app:build_app`` in a Serve config file,
+    or ``serve run serve_app:build_app``).
+
+    Args:
+        args: a :class:`ServeConfig` as plain data (the config file's ``applications[].args``).
+            Its ``http`` section does not apply (the Serve config's ``http_options`` do), nor do
+            the ``ingress``/``verifier`` replica settings the config file's ``deployments[]`` set.
+
+    Raises:
+        ConfigError: invalid args (the message names the field path) or a missing checkpoint.
+    """
+    from actors.deployments import build_app as bind_app
+
+    try:
+        config = msgspec.convert(args, ServeConfig)
+    except (msgspec.ValidationError, ValueError, TypeError) as e:
+        raise ConfigError(f"serve_app:build_app args: {e}") from e
+    try:
+        resolve_paths(config, REPO_ROOT)
+    except StartupError as e:
+        raise ConfigError(f"serve_app:build_app args: {e}") from e
+    return bind_app(config)
 
 
 def _wait_healthy(url: str, timeout_s: float) -> None:
@@ -97,23 +142,34 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
     raise StartupError(f"server did not become healthy within {timeout_s:.0f} s ({last})")
 
 
-def stop() -> None:
+def stop(drain_timeout_s: float = SHUTDOWN_DRAIN_TIMEOUT_S) -> None:
+    """End in-flight streams cleanly, then shut the app down: Serve and Ray when this process started
+    them, else only this app (the cluster keeps running)."""
     import ray
     from ray import serve
 
+    from actors.cluster import drain, kill_detached_actors
+
+    signal, owns_ray = _running.pop("signal", None), _running.pop("owns_ray", True)
+    namespace = _running.pop("namespace", None)
     try:
-        serve.shutdown()
+        if signal is not None:
+            drain(signal, drain_timeout_s)
+        if owns_ray:
+            serve.shutdown()
+        else:  # the cluster stays up: remove only what this app made
+            serve.delete(APP_NAME)
+            if namespace is not None:
+                kill_detached_actors(namespace, SHARED_EXPERT_PREFIX)
     finally:
         ray.shutdown()
 
 
 def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfig:
     """Command-line overrides (for benchmark sweeps), re-validated like the YAML."""
-    import msgspec
-
     raw = msgspec.to_builtins(config)
     if args.host or args.port:
-        raw["http"] = {"host": args.host or config.http.host, "port": args.port or config.http.port}
+        raw["http"].update(host=args.host or config.http.host, port=args.port or config.http.port)
     if args.speculative_method == "none":
         raw["engine"].update(speculative_method=None, draft_model=None, num_speculative_tokens=0)
     elif args.speculative_method:
@@ -138,26 +194,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, help="override engine.num_speculative_tokens")
     parser.add_argument("--speculative-policy", choices=["adaptive", "fixed"],
                         help="override engine.speculative_policy")
+    parser.add_argument("--address", help="Ray cluster to deploy onto (default: $RAY_ADDRESS; unset: start a "
+                                          "local Ray that listens on 127.0.0.1 only)")
     args = parser.parse_args(argv)
+    # SIGTERM (docker stop, Kubernetes, systemd) shuts down like Ctrl-C, also during start-up
+    # (ray.init installs its own handler, so start() puts ours back).
+    signal.signal(signal.SIGTERM, _sigterm)
     try:
         config = apply_overrides(load_yaml(args.config, ServeConfig), args)
-        url = start(config)
+        url = start(config, address=args.address, sigterm=_sigterm)
     except (ConfigError, StartupError) as e:
         print(f"specmoe: cannot start: {e}", file=sys.stderr)
+        _stop_if_started()
         return 2
+    except (KeyboardInterrupt, SystemExit):
+        print("specmoe: interrupted while starting; shutting down")
+        _stop_if_started()
+        return 0
     print(f"specmoe is serving {config.model_name!r} at {url}/v1")
     print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
           f"\"temperature\": 0}}'")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):
         print("specmoe: shutting down")
     finally:
+        t0 = time.monotonic()
         stop()
+        print(f"specmoe: stopped in {time.monotonic() - t0:.1f} s")
     return 0
+
+
+def _sigterm(*_) -> None:
+    raise SystemExit(0)
+
+
+def _stop_if_started() -> None:
+    import ray
+
+    if _running or ray.is_initialized():
+        stop()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,12 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         num_gpus: GPU fraction each actor asks for (0 on CPU, where actors reserve no CPU and run
             torch with ``torch_threads`` threads).
         torch_threads: torch intra-op threads inside each expert actor.
+        resources: custom Ray resources each expert actor asks for, e.g. ``{"expert_slot": 1}``:
+            only nodes started with that resource (``ray start --resources``, a KubeRay worker
+            group's ``rayStartParams.resources``) take expert actors, and its count bounds how
+            many land on one node.
+        scheduling_strategy: ``SPREAD`` places a unit's expert actors on as many nodes as
+            possible (Ray's spread strategy); ``DEFAULT`` packs them where resources allow.
         straggler_multiple, straggler_floor_ms: a call slower than multiple x the dispatch's median
             and above the floor is flagged as a straggler.
         namespace: Ray namespace of the named expert actors.
@@ -49,6 +55,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     max_attempts: int = 3
     num_gpus: float = 0.0
     torch_threads: int = 1
+    resources: dict[str, float] = msgspec.field(default_factory=dict)
+    scheduling_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
     straggler_multiple: float = 3.0
     straggler_floor_ms: float = 5.0
     namespace: str = "specmoe"
@@ -62,6 +70,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             raise ValueError("experts.experts_per_actor must be >= 1")
         if self.replicas < 1 or any(r < 1 for r in self.hot_expert_replicas.values()):
             raise ValueError("experts.replicas and experts.hot_expert_replicas values must be >= 1")
+        if any(v <= 0 for v in self.resources.values()):
+            raise ValueError("experts.resources values must be > 0")
         if self.call_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("experts.call_timeout_s must be > 0 and experts.max_attempts >= 1")
         if self.graph_idle_teardown_s <= 0 or self.graph_buffer_size_bytes < 1024 or self.graph_build_after_s < 0:
@@ -70,17 +80,45 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """Ray Serve options of one deployment."""
+    """Ray Serve options of one deployment (a Serve config file's ``deployments[]`` override them).
+
+    Attributes:
+        graceful_shutdown_timeout_s: how long a replica being removed (scale-down, redeploy) may
+            finish its requests before Serve kills it. Shutting the server down ends streams first
+            (a drain), so this bound does not add to the exit time.
+        graceful_shutdown_wait_loop_s: how often a stopping replica checks for finished requests
+            (Serve's default of 2 s would add up to 2 s to every exit).
+        resources: custom Ray resources each replica asks for (e.g. pin the ingress to nodes
+            that advertise ``{ingress: 1}``).
+    """
 
     num_replicas: int = 1
     num_cpus: float = 0.0
     num_gpus: float = 0.0
     max_ongoing_requests: int = 256
+    graceful_shutdown_timeout_s: float = 20.0
+    graceful_shutdown_wait_loop_s: float = 0.2
+    resources: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.max_ongoing_requests < 1:
+            raise ValueError("num_replicas and max_ongoing_requests must be >= 1")
+        if self.graceful_shutdown_timeout_s < 0 or self.graceful_shutdown_wait_loop_s <= 0:
+            raise ValueError("graceful_shutdown_timeout_s must be >= 0 and graceful_shutdown_wait_loop_s > 0")
 
 
 class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Where Serve's HTTP proxies listen (``serve_app.py`` only; a Serve config file has its own
+    ``http_options``/``proxy_location``).
+
+    Attributes:
+        proxy_location: Serve's ``EveryNode`` (a proxy on every node with a replica) or
+            ``HeadOnly`` (several Ray nodes on one machine would all bind the same port).
+    """
+
     host: str = "127.0.0.1"
     port: int = 8000
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -94,7 +132,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         draft: resources of each verifier replica's draft actor (``num_cpus``, ``num_gpus``; the
             other fields do not apply: the draft actor is part of its verifier's serving unit).
         http: where the HTTP proxy listens.
-        request_timeout_s: a request still running after this long is cancelled.
+        request_timeout_s: a request still running this long after it arrived is cancelled (its KV
+            slots freed): a 504 in OpenAI's error shape, or an error chunk and ``[DONE]`` when its
+            stream has already started.
         verifier_start_timeout_s: longest engine build (weights, draft actor) of a verifier replica.
         engine_step_timeout_s: a step running longer than this fails the replica's health check
             (Serve then replaces the replica).
@@ -112,3 +152,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verifier_start_timeout_s: float = 300.0
     engine_step_timeout_s: float = 60.0
     tracing: TracingConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")

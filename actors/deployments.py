@@ -46,14 +46,16 @@ class IngressDeployment:
         return await self.server.metrics_text()
 
 
+def _options(d) -> dict:
+    return dict(num_replicas=d.num_replicas, max_ongoing_requests=d.max_ongoing_requests,
+                graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
+                graceful_shutdown_wait_loop_s=d.graceful_shutdown_wait_loop_s,
+                ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus, "resources": dict(d.resources)})
+
+
 def build_app(config: ServeConfig):
     """The bound application: ingress -> verifier (each verifier replica makes its serving unit's
     draft actor and expert actors)."""
     cfg = msgspec.to_builtins(config)
-
-    def opts(d):
-        return dict(num_replicas=d.num_replicas, max_ongoing_requests=d.max_ongoing_requests,
-                    ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus})
-
-    verifier = VerifierDeployment.options(**opts(config.verifier)).bind(cfg)
-    return IngressDeployment.options(**opts(config.ingress)).bind(cfg, verifier)
+    verifier = VerifierDeployment.options(**_options(config.verifier)).bind(cfg)
+    return IngressDeployment.options(**_options(config.ingress)).bind(cfg, verifier)

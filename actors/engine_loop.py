@@ -18,11 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from actors.stream_items import error_item, step_item
+from actors.stream_items import error_item, step_item, unavailable_item
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+SHUTTING_DOWN = "the server is shutting down; retry the request"
 
 
 class EngineHung(RuntimeError):
@@ -51,6 +54,7 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._step_started: float | None = None  # time.monotonic() of the running step
         self._ids = itertools.count()
+        self.draining = False
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -106,6 +110,9 @@ class EngineLoop:
             KV slots within one step.
         """
         rid = request_id or f"req-{next(self._ids)}"
+        if self.draining:
+            yield unavailable_item(SHUTTING_DOWN)
+            return
         try:
             sp = msgspec.convert(params, SamplingParams)
             pending_seqs = sum(a[2].n for op, *a in self._pending if op == "add")
@@ -132,6 +139,21 @@ class EngineLoop:
             if not finished:
                 self._pending.append(("abort", rid))
                 self._wakeup.set()
+
+    def drain(self) -> int:
+        """End every open stream with a 503 item, abort its request (frees its KV slots within one
+        step) and refuse new requests: the server is shutting down. Call on the event loop.
+
+        Returns:
+            The number of streams ended.
+        """
+        self.draining = True
+        streams = list(self._streams.items())
+        for rid, queue in streams:
+            queue.put_nowait(unavailable_item(SHUTTING_DOWN))
+            self._pending.append(("abort", rid))  # the stream ends "finished": it would not abort itself
+        self._wakeup.set()
+        return len(streams)
 
     def check_health(self) -> None:
         """Raises:

@@ -140,7 +140,7 @@ class ExpertWorker:
 
     def info(self) -> dict:
         return {"expert_ids": self.expert_ids, "pid": os.getpid(), "num_calls": self.num_calls,
-                "actor_id": self.actor_id}
+                "actor_id": self.actor_id, "node_id": ray.get_runtime_context().get_node_id()}
 
 
 def _actor_id() -> str:

@@ -70,7 +70,8 @@ class ExpertPool:
         # actor's compiled-graph loop occupies one thread.
         options = dict(name=name, namespace=self.config.namespace, get_if_exists=True,
                        lifetime="detached" if self.detached else None,
-                       num_cpus=0, num_gpus=self.config.num_gpus, max_concurrency=2)
+                       num_cpus=0, num_gpus=self.config.num_gpus, resources=dict(self.config.resources),
+                       scheduling_strategy=self.config.scheduling_strategy, max_concurrency=2)
         handle = ExpertActor.options(**options).remote(
             self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads, self.tracing)
         return Replica(group, index, generation, name, handle)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.chat_template import ChatTemplate
 from actors.config import ServeConfig
+from actors.failover import ResumableStream
 from actors.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,11 +47,56 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
+ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               503: "server_overloaded", 504: "timeout", 500: "internal_error"}
+RETRY_AFTER_S = {503: 1}  # Retry-After of a full queue or a shutting-down replica
+UNAVAILABLE_RETRY_AFTER_S = 5  # while the verifier is gone: about a replica restart
+PROBE_INTERVAL_S = 0.5  # how often a gone verifier is asked whether it is back
+
+
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict | None = None) -> JSONResponse:
-    err_type = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-                503: "server_overloaded", 500: "internal_error"}.get(status, "invalid_request_error")
+    err_type = ERROR_TYPES.get(status, "invalid_request_error")
     return JSONResponse(error_body(message, err_type, param, code), status_code=status, headers=headers)
+
+
+class RequestFailed(Exception):
+    """A request that cannot complete: the HTTP status and message the client gets."""
+
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.retry_after_s = retry_after_s if retry_after_s is not None else RETRY_AFTER_S.get(status)
+
+    @property
+    def headers(self) -> dict | None:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+
+    def response(self) -> JSONResponse:
+        return _error(self.status, self.message, headers=self.headers)
+
+    def chunk(self) -> dict:
+        """The in-band error of a stream whose 200 is already sent."""
+        return error_body(self.message, ERROR_TYPES.get(self.status, "internal_error"), None, self.status)
+
+
+def _verifier_gone(e: BaseException) -> bool:
+    """The verifier replica died or cannot be reached (not a bug in a request)."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return isinstance(e, (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError))
+
+
+def _failure(e: BaseException, timeout_s: float) -> RequestFailed:
+    if isinstance(e, RequestFailed):
+        return e
+    if isinstance(e, asyncio.TimeoutError):
+        return RequestFailed(504, f"the request did not finish within request_timeout_s = {timeout_s:g} s")
+    if _verifier_gone(e):
+        return RequestFailed(503, f"the model server is unavailable ({type(e).__name__}); retry shortly",
+                             UNAVAILABLE_RETRY_AFTER_S)
+    return RequestFailed(500, f"internal error: {type(e).__name__}")
 
 
 class IngressServer:
@@ -79,6 +125,7 @@ class IngressServer:
         setup_tracing("ingress", config.tracing)
         # The engine's running/waiting gauges are the ones served (include_state_gauges=False).
         self.metrics = RequestMetrics(self.model_name, include_state_gauges=False)
+        self._probe: asyncio.Task | None = None  # set while the verifier is gone: asks until it is back
 
     # ------------------------------------------------------------------ routes
     async def completions(self, request: Request) -> Response:
@@ -92,11 +139,32 @@ class IngressServer:
                                             "owned_by": "specmoe", "max_model_len": self.max_model_len}]}
 
     async def health(self) -> Response:
+        if self._probe is not None:
+            return _error(503, "verifier unavailable (restarting)", headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
         try:
-            await self.verifier.stats.remote()
+            await asyncio.wait_for(self.verifier.stats.remote(), self.config.verifier_start_timeout_s)
         except Exception as e:
-            return _error(503, f"verifier unavailable: {e}")
+            return _error(503, f"verifier unavailable: {type(e).__name__}: {e}")
         return Response(status_code=200)
+
+    def _verifier_lost(self) -> None:
+        """Answer 503 at once from now on (a handle would queue requests until a replica is back),
+        and ask the verifier in the background until it answers again."""
+        if self._probe is None:
+            log.warning("the verifier is gone; answering 503 until it is back")
+            self._probe = asyncio.get_running_loop().create_task(self._wait_verifier_back())
+
+    async def _wait_verifier_back(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            try:
+                await asyncio.wait_for(self.verifier.stats.remote(), self.config.verifier_start_timeout_s)
+            except Exception as e:  # still restarting
+                log.debug("verifier not back yet (%s)", type(e).__name__)
+                continue
+            log.warning("the verifier is back")
+            self._probe = None
+            return
 
     async def metrics_text(self) -> Response:
         parts = [self.metrics.registry]
@@ -138,7 +206,8 @@ class IngressServer:
     async def _handle(self, request: Request, kind: str) -> Response:
         route = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
         op = sc.GEN_AI_OPERATION_TEXT_COMPLETION if kind == "completion" else sc.GEN_AI_OPERATION_CHAT
-        tel = RequestTelemetry(self.metrics, route, dict(request.headers), op, self.model_name, time.monotonic())
+        tel_start_s = time.monotonic()
+        tel = RequestTelemetry(self.metrics, route, dict(request.headers), op, self.model_name, tel_start_s)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
@@ -153,59 +222,105 @@ class IngressServer:
         tel.trace.request(sc.gen_ai_request_attributes(op, self.model_name, max_tokens=params.max_tokens,
                                                        temperature=params.temperature, top_p=params.top_p,
                                                        seed=params.seed))
-        stream = self._verifier_stream.generate.remote(ids, msgspec.to_builtins(params), prompt_text, rid,
-                                                         tel.trace.carrier())
+        if self._probe is not None:
+            failed = RequestFailed(503, "the model server is restarting; retry shortly", UNAVAILABLE_RETRY_AFTER_S)
+            tel.finish(503, rid)
+            return failed.response()
+        deadline = tel_start_s + self.config.request_timeout_s
+        stream = self._submit(ids, params, prompt_text, rid, tel.trace.carrier())
         try:
-            first = await stream.__anext__()
+            first = await self._next(stream, deadline)
+            if first["type"] == "error":
+                raise RequestFailed(first["status"], first["message"])
+        except asyncio.CancelledError:  # the client left before the first item
+            stream.cancel()
+            raise
         except Exception as e:
-            log.exception("verifier failed to accept %s", rid)
-            tel.finish(500, rid)
-            return _error(500, f"internal error: {type(e).__name__}")
-        if first["type"] == "error":
-            tel.finish(first["status"], rid)
-            headers = {"Retry-After": "1"} if first["status"] == 503 else None
-            return _error(first["status"], first["message"], None, None, headers)
+            stream.cancel()
+            failed = self._failed(e, rid)
+            tel.finish(failed.status, rid)
+            return failed.response()
         builder = ResponseBuilder(kind, self.model_name, rid, params.n, self.tokenizer, want_lp)
         if req.stream:
-            return StreamingResponse(self._sse(stream, builder, req.include_usage, tel),
+            return StreamingResponse(self._sse(stream, builder, req.include_usage, tel, deadline),
                                      media_type="text/event-stream")
+        return await self._whole(stream, builder, tel, deadline)
+
+    async def _whole(self, stream, builder: ResponseBuilder, tel: RequestTelemetry, deadline: float) -> Response:
+        """A non-streaming response: the whole stream, then one body (or an error)."""
         status = 200
         try:
-            async for item in stream:
+            async for item in self._items(stream, deadline):
                 self._absorb(builder, item, tel)
             if "error" in builder.finish:
                 raise RuntimeError("the engine failed this request")
         except Exception as e:
-            log.exception("request %s failed", rid)
-            status = 500
-            return _error(500, f"internal error: {type(e).__name__}")
+            failed = self._failed(e, builder.id)
+            status = failed.status
+            return failed.response()
         finally:
-            stream.cancel()
-            tel.finish(status, rid)
+            stream.cancel()  # done, failed or timed out: the verifier aborts an unfinished request
+            tel.finish(status, builder.id)
         return JSONResponse(builder.final())
+
+    def _submit(self, ids: list[int], params, prompt_text: str | None, rid: str, carrier: dict | None):
+        """The request's verifier stream; it fails over to another verifier replica when its own
+        dies (``actors/failover.py``)."""
+        def submit(prompt_ids: list[int], wire_params: dict):
+            text = prompt_text if len(prompt_ids) == len(ids) else None  # a resubmission has no prompt text
+            return self._verifier_stream.generate.remote(prompt_ids, wire_params, text, rid, carrier)
+
+        return ResumableStream(submit, ids, msgspec.to_builtins(params), _verifier_gone)
+
+    def _failed(self, e: BaseException, rid: str) -> RequestFailed:
+        failed = _failure(e, self.config.request_timeout_s)
+        if failed.status == 500:
+            log.error("request %s failed", rid, exc_info=e)
+        elif _verifier_gone(e):
+            self._verifier_lost()
+        return failed
+
+    @staticmethod
+    async def _next(stream, deadline: float) -> dict:
+        """The stream's next item before ``deadline`` (monotonic s); StopAsyncIteration at its end.
+
+        Raises:
+            asyncio.TimeoutError: the deadline passed first.
+        """
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(stream.__anext__(), remaining_s)
+
+    async def _items(self, stream, deadline: float):
+        while True:
+            try:
+                item = await self._next(stream, deadline)
+            except StopAsyncIteration:
+                return
+            yield item
 
     def _absorb(self, builder: ResponseBuilder, item: dict, tel: RequestTelemetry) -> list[dict]:
         if item["type"] == "error":
-            raise RuntimeError(item["message"])
+            raise RequestFailed(item["status"], item["message"])
         chunks = builder.add(item)
         tel.on_item(item)
         return chunks
 
-    async def _sse(self, stream, builder: ResponseBuilder, include_usage: bool, tel: RequestTelemetry):
+    async def _sse(self, stream, builder: ResponseBuilder, include_usage: bool, tel: RequestTelemetry,
+                   deadline: float):
         status = 200
         try:
-            async for item in stream:
+            async for item in self._items(stream, deadline):
                 for chunk in self._absorb(builder, item, tel):
                     yield sse(chunk)
             if include_usage:
                 yield sse(builder.usage_chunk())
         except Exception as e:  # mid-stream failure: tell the client in-band, then end the stream
-            log.exception("stream %s failed", builder.id)
-            status = 500
-            yield sse(error_body(f"internal error: {type(e).__name__}", "internal_error"))
+            failed = self._failed(e, builder.id)
+            status = failed.status
+            yield sse(failed.chunk())
         finally:
-            stream.cancel()  # client gone or done: the verifier aborts an unfinished request
+            stream.cancel()  # client gone, done or timed out: the verifier aborts an unfinished request
             tel.finish(status, builder.id)
         yield sse("[DONE]")
-
-

@@ -12,6 +12,11 @@ def error_item(e: Exception) -> dict:
     return {"type": "error", "status": status, "message": str(e), "finished": True}
 
 
+def unavailable_item(message: str) -> dict:
+    """The replica cannot serve (shutting down): a 503, which clients may retry elsewhere."""
+    return {"type": "error", "status": 503, "message": message, "finished": True}
+
+
 def step_item(out: RequestOutput) -> dict:
     """What one engine step added to a request, plus its totals when it finished."""
     choices = []

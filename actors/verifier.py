@@ -20,7 +20,8 @@ import msgspec
 import torch
 
 from actors.config import ServeConfig
-from actors.engine_loop import EngineLoop
+from actors.engine_loop import SHUTTING_DOWN, EngineLoop
+from actors.stream_items import unavailable_item
 from engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,11 @@ class VerifierServer:
         self._start_lock = asyncio.Lock()
         self._engine_factory = engine_factory or self.build_engine
         self.pool = None
+        self.draining = False
+        self._in_ray = engine_factory is None  # an injected engine is a test without Ray
         if engine_factory is None:
             self._build_pool()
+        self._drain_watch: asyncio.Task | None = None
 
     def _build_pool(self) -> None:
         from actors.expert_pool import ExpertPool
@@ -87,6 +91,16 @@ class VerifierServer:
             self.engine = await asyncio.wait_for(build, self.config.verifier_start_timeout_s)
             self.loop = EngineLoop(self.engine, self._executor, self.config.engine_step_timeout_s,
                                    on_change=self._sync_metrics, carriers=self.telemetry.carriers)
+            if self._in_ray:
+                self._watch_drain()
+
+    def _watch_drain(self) -> None:
+        """Drain when the process that deployed the app shuts it down (``actors/cluster.py``); a
+        replica that has not started its engine has no streams to end."""
+        from actors.cluster import wait_for_drain
+
+        self._drain_watch = asyncio.get_running_loop().create_task(
+            wait_for_drain(self.config.experts.namespace, self.drain))
 
     def _sync_metrics(self) -> None:
         self.metrics.sync_from_engine(self.engine.get_metrics())
@@ -124,9 +138,18 @@ class VerifierServer:
     async def generate(self, prompt_token_ids: list[int], params: dict, prompt: str | None = None,
                        request_id: str | None = None, carrier: dict | None = None) -> AsyncIterator[dict]:
         """Stream engine outputs for one request (see :meth:`EngineLoop.generate`)."""
+        if self.draining:  # shutting down: no engine build for a request that cannot finish
+            yield unavailable_item(SHUTTING_DOWN)
+            return
         await self._ensure_started()
         async for item in self.loop.generate(prompt_token_ids, params, prompt, request_id, carrier):
             yield item
+
+    def drain(self) -> int:
+        """End in-flight streams with a 503 and refuse new requests (shutdown; see
+        :meth:`EngineLoop.drain`). Returns the number of streams ended."""
+        self.draining = True
+        return self.loop.drain() if self.loop is not None else 0
 
     async def stats(self) -> dict:
         """Engine totals and pool state (tests, /health, benchmarks)."""

@@ -31,16 +31,20 @@ def test_invalid_config_names_the_field(tmp_path, capsys):
     assert "experts_per_actor" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, method, k", [(["--speculative-method", "none"], None, 0),
-                                              (["--speculative-method", "ngram", "--num-speculative-tokens", "6"], "ngram", 6)])
-def test_command_line_overrides(argv, method, k):
+@pytest.mark.parametrize("argv, method, k, policy", [
+    (["--speculative-method", "none"], None, 0, "adaptive"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "6", "--speculative-policy", "fixed"], "ngram", 6,
+     "fixed")])
+def test_command_line_overrides(argv, method, k, policy):
     import argparse
 
     from actors.config import ServeConfig
     from engine.yaml_config import load_yaml
 
-    ns = argparse.Namespace(host=None, port=None, speculative_method=None, num_speculative_tokens=None)
+    ns = argparse.Namespace(host=None, port=None, speculative_method=None, num_speculative_tokens=None,
+                            speculative_policy=None)
     for flag, value in zip(argv[::2], argv[1::2]):
         setattr(ns, flag[2:].replace("-", "_"), int(value) if value.isdigit() else value)
     config = serve_app.apply_overrides(load_yaml("configs/embedded.yaml", ServeConfig), ns)
     assert (config.engine.speculative_method, config.engine.num_speculative_tokens) == (method, k)
+    assert config.engine.speculative_policy == policy

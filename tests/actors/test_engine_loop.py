@@ -177,3 +177,29 @@ def test_verifier_check_health_bounds_the_build_and_reports_a_hung_step():
         await stream.aclose()
 
     asyncio.run(run())
+
+
+def test_draining_ends_open_streams_with_503_frees_their_kv_and_refuses_new(expected_texts):
+    engine = build_engine(EngineArgs(model=TARGET))
+
+    async def run():
+        loop = _new_loop(engine)
+        stream = loop.generate(expected_texts[0][0], {**PARAMS, "max_tokens": 200})
+        assert (await anext(stream))["type"] == "accepted"
+        assert (await anext(stream))["type"] == "step"
+        assert engine.kv.num_used > 0
+        assert loop.drain() == 1
+        rest = [item async for item in stream]
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        refused = [item async for item in loop.generate(expected_texts[1][0], PARAMS)]
+        return rest, refused
+
+    rest, refused = asyncio.run(run())
+    assert rest[-1] == {"type": "error", "status": 503, "message": rest[-1]["message"], "finished": True}
+    assert "shutting down" in rest[-1]["message"]
+    assert all(item["type"] == "step" for item in rest[:-1])  # steps already queued still arrive first
+    assert engine.kv.num_used == 0 and engine.finished_by_reason.get("abort") == 1
+    assert [item["status"] for item in refused] == [503]

@@ -1,0 +1,164 @@
+"""Where the application runs: an existing Ray cluster, or a local Ray that only listens on loopback.
+
+``serve_app.py`` joins the cluster named by ``--address`` or ``RAY_ADDRESS`` and otherwise starts
+its own single-node Ray (the embedded default). The embedded instance must not be reachable from
+the network: every Ray component of it binds 127.0.0.1, except one that Ray 2.60 cannot confine
+(see :data:`UNCONFINABLE_LISTENERS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+# Ray 2.60's Serve replicas start their inter-deployment gRPC server on ``[::]:0`` unconditionally
+# (ray/serve/_private/replica.py, ``add_port_to_grpc_server(self._server, "[::]:0")``), so each
+# Serve replica process listens on one wildcard port whatever the node address is. Nothing else of
+# the embedded instance does.
+UNCONFINABLE_LISTENERS = {"ray::ServeReplica": 1}
+DRAIN_SIGNAL = "specmoe-drain"  # named actor through which serve_app.py tells verifiers to drain
+FLUSH_S = 0.5  # after a drain: time for the ingress and the proxy to send the streams' last chunks
+
+
+def cluster_address(cli_address: str | None = None) -> str | None:
+    """The Ray cluster to join: ``--address``, else ``RAY_ADDRESS``, else None (start a local one)."""
+    return cli_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def _loopback_node_address() -> None:
+    """Make the local node's address 127.0.0.1 before Ray starts.
+
+    Ray 2.60 on Linux rewrites ``ray.init(_node_ip_address="127.0.0.1")`` to the machine's LAN
+    address (``services.resolve_ip_for_localhost``: it assumes every Linux node may join a
+    cluster), and its gRPC servers then bind that address or the wildcard. Its single-machine
+    switch, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, keeps the loopback address; with it GCS,
+    raylet, object manager, core workers and the agents bind 127.0.0.1 only. The switch is read
+    when ``ray`` is imported, so the imported constant is set instead; the environment is left
+    alone because child processes that start clusters of their own (tests, tools) would inherit it.
+    The Ray processes need nothing more: they get the node address on their command lines.
+    """
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def init_ray(namespace: str, env_vars: dict, address: str | None = None) -> bool:
+    """Connect this process to Ray: join ``address`` or start a loopback-only local instance.
+
+    Args:
+        namespace: Ray namespace of the app's named actors.
+        env_vars: environment of every Ray worker (the job's runtime_env).
+        address: a cluster address (``ray://...``, ``host:port`` or ``auto``); None starts Ray here.
+
+    Returns:
+        True when this call started the Ray instance (the caller then owns it and shuts it down).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": env_vars}
+    if address:
+        ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
+        log.info("joined the Ray cluster at %s", address)
+        return False
+    _loopback_node_address()
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace=namespace, runtime_env=runtime_env,
+             log_to_driver=True, _node_ip_address=LOOPBACK)
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:  # a Ray upgrade changed the rule above: say so rather than listen widely
+        log.warning("the embedded Ray node address is %s, not %s: its ports may be reachable from the network",
+                    node_ip, LOOPBACK)
+    return True
+
+
+class DrainSignal:
+    """One flag every verifier replica waits on (an async actor: one pending call per replica, no
+    polling). Set when the process that deployed the app shuts it down: Serve kills its HTTP
+    proxies at once on shutdown, so streams must end before that, and Serve has no hook that tells
+    a replica its shutdown has begun."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def _flag(self) -> asyncio.Event:
+        if self._event is None:  # created on the actor's event loop, at the first call
+            self._event = asyncio.Event()
+        return self._event
+
+    async def wait(self) -> None:
+        await self._flag().wait()
+
+    async def set(self) -> None:
+        self._flag().set()
+
+
+def create_drain_signal(namespace: str):
+    """The app's drain signal actor (owned by this process: it dies with it)."""
+    import ray
+
+    return ray.remote(DrainSignal).options(name=DRAIN_SIGNAL, namespace=namespace, get_if_exists=True,
+                                           num_cpus=0).remote()
+
+
+def drain(signal, timeout_s: float) -> bool:
+    """Tell every verifier replica to end its streams (a 503 chunk and ``[DONE]``; a 503 for requests
+    not yet started) and refuse new ones, then give the last chunks time to reach the clients.
+
+    Returns:
+        True when the signal was delivered within ``timeout_s``.
+    """
+    import ray
+
+    try:
+        ray.get(signal.set.remote(), timeout=timeout_s)
+    except Exception as e:  # shutting down anyway: streams are then cut instead of ended
+        log.warning("draining failed (%s: %s)", type(e).__name__, e)
+        return False
+    time.sleep(FLUSH_S)
+    return True
+
+
+async def wait_for_drain(namespace: str, on_drain) -> None:
+    """Call ``on_drain()`` once the app's drain signal is set; nothing when no process deployed one
+    (``serve run`` / a Serve config: Serve's own graceful shutdown applies)."""
+    import ray
+
+    try:  # a GCS lookup: off the event loop
+        signal = await asyncio.to_thread(ray.get_actor, DRAIN_SIGNAL, namespace)
+    except ValueError:
+        return
+    try:
+        await signal.wait.remote()
+    except ray.exceptions.RayActorError:  # the deploying process went away without draining
+        return
+    on_drain()
+
+
+def kill_detached_actors(namespace: str, prefix: str) -> list[str]:
+    """Kill this app's detached actors (the shared expert pool of ``transport: actor_calls``
+    outlives the replicas that made it): on a cluster that keeps running after the app is deleted
+    they would hold their weights, and GPU shares, forever.
+
+    Returns:
+        The names killed.
+    """
+    import ray
+
+    from actors.compiled_graph import kill_actor
+
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace or not entry["name"].startswith(prefix):
+            continue
+        try:
+            kill_actor(ray.get_actor(entry["name"], namespace=namespace))
+        except ValueError:  # gone meanwhile
+            continue
+        killed.append(entry["name"])
+    return killed

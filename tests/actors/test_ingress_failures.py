@@ -1,0 +1,191 @@
+"""The ingress's answers when the verifier is slow, gone or shutting down (a test double, no Ray):
+504 past request_timeout_s, 503 + Retry-After (never 500) while the verifier is gone, in-band
+error chunks for streams already started."""
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+import pytest
+from fastapi import FastAPI, Request
+from ray.exceptions import ActorDiedError
+
+from actors.config import ServeConfig
+from actors.ingress import IngressServer
+from actors.stream_items import unavailable_item
+from tests.actors.conftest import DRAFT, MODEL_NAME, TARGET
+
+BODY = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 8}
+
+
+def _step(text: str, token: int = 5, num_tokens: int = 1, finish: str | None = None) -> dict:
+    item = {"type": "step", "finished": finish is not None, "choices": [
+        {"index": 0, "new_text": text, "new_token_ids": [token], "finish_reason": finish, "stop_reason": None,
+         "new_logprobs": None, "num_tokens": num_tokens}]}
+    if finish:
+        item["usage"] = {"prompt_tokens": 99, "completion_tokens": num_tokens}
+    return item
+
+
+class FakeStream:
+    """A verifier stream: ``items`` (each after ``delay_s``), then ``then``: None (end), "hang" or
+    an exception to raise."""
+
+    def __init__(self, items: list[dict], delay_s: float = 0.0, then=None) -> None:
+        self.items, self.delay_s, self.then = list(items), delay_s, then
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        if self.items:
+            await asyncio.sleep(self.delay_s)
+            return self.items.pop(0)
+        if self.then == "hang":
+            await asyncio.sleep(3600)
+        if isinstance(self.then, BaseException):
+            raise self.then
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeVerifier:
+    """``generate.remote`` returns the next scripted stream (recording its arguments), else one that
+    never answers (a Serve handle queues requests while no replica is up); ``stats.remote`` fails
+    while ``down``."""
+
+    def __init__(self) -> None:
+        self.streams: list[FakeStream] = []
+        self.calls: list[tuple] = []
+        self.down = False
+        self.generate = type("G", (), {"remote": lambda _, *a: self._generate(a)})()
+        self.stats = type("S", (), {"remote": lambda _: self._stats()})()
+
+    def _generate(self, args: tuple) -> FakeStream:
+        self.calls.append(args)
+        return self.streams.pop(0) if self.streams else FakeStream([], then="hang")
+
+    async def _stats(self) -> dict:
+        if self.down:
+            raise ActorDiedError()
+        return {}
+
+
+def _server(verifier: FakeVerifier, request_timeout_s: float = 600.0) -> IngressServer:
+    config = msgspec.convert({"model_name": MODEL_NAME, "engine": {"model": TARGET, "draft_model": DRAFT},
+                              "request_timeout_s": request_timeout_s}, ServeConfig)
+    server = IngressServer(config, verifier)
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.completions(request)
+
+    app.get("/health")(server.health)
+    return server, app
+
+
+def _run(app: FastAPI, requests: list[dict]) -> list[httpx.Response]:
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            out = []
+            for body in requests:
+                out.append(await client.post("/v1/completions", json=body))
+            return out
+    return asyncio.run(go())
+
+
+def _sse_events(text: str) -> list:
+    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+            for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.timeout(60)
+def test_request_past_its_timeout_gets_504_and_its_stream_is_cancelled():
+    verifier = FakeVerifier()
+    stalled = FakeStream([{"type": "accepted"}, _step("a")], then="hang")
+    stalled_sse = FakeStream([{"type": "accepted"}, _step("a")], then="hang")
+    verifier.streams = [stalled, stalled_sse]
+    _, app = _server(verifier, request_timeout_s=0.5)
+    plain, streamed = _run(app, [BODY, {**BODY, "stream": True}])
+    assert plain.status_code == 504
+    assert plain.json()["error"]["type"] == "timeout" and "0.5 s" in plain.json()["error"]["message"]
+    assert stalled.cancelled  # the verifier aborts the request: its KV slots are freed
+    events = _sse_events(streamed.text)
+    assert streamed.status_code == 200 and events[0]["choices"][0]["text"] == "a"
+    assert events[-2]["error"]["code"] == 504 and events[-1] == "[DONE]"
+    assert stalled_sse.cancelled
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back():
+    verifier = FakeVerifier()
+    dies_before = FakeStream([], then=ActorDiedError())
+    dies_during = FakeStream([{"type": "accepted"}, _step("a")], then=ActorDiedError())
+    verifier.streams = [dies_before]  # its resubmission waits for a replica: none comes (single replica)
+    server, app = _server(verifier)
+    verifier.down = True
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            first = await client.post("/v1/completions", json=BODY)
+            while_down = await client.post("/v1/completions", json=BODY)
+            health_down = await client.get("/health")
+            verifier.down = False
+            for _ in range(100):  # the probe asks every 0.5 s
+                if server._probe is None:
+                    break
+                await asyncio.sleep(0.05)
+            verifier.streams = [dies_during]
+            streamed = await client.post("/v1/completions", json={**BODY, "stream": True})
+            return first, while_down, health_down, streamed
+
+    first, while_down, health_down, streamed = asyncio.run(go())
+    assert (first.status_code, first.headers["retry-after"]) == (503, "5")
+    assert first.json()["error"]["type"] == "server_overloaded" and "ActorDiedError" in first.json()["error"]["message"]
+    assert (while_down.status_code, while_down.headers["retry-after"]) == (503, "5")
+    assert health_down.status_code == 503
+    assert len(verifier.calls) == 4  # each failed request tried one resubmission, never accepted
+    events = _sse_events(streamed.text)
+    assert events[-2]["error"]["code"] == 503 and events[-1] == "[DONE]"
+
+
+@pytest.mark.timeout(60)
+def test_a_draining_verifier_ends_streams_with_503_chunks_and_refuses_with_503():
+    verifier = FakeVerifier()
+    verifier.streams = [FakeStream([{"type": "accepted"}, _step("a"), unavailable_item("shutting down")]),
+                        FakeStream([unavailable_item("shutting down")])]
+    _, app = _server(verifier)
+    streamed, refused = _run(app, [{**BODY, "stream": True}, BODY])
+    events = _sse_events(streamed.text)
+    assert [e["choices"][0]["text"] for e in events[:-2]] == ["a"]
+    assert events[-2]["error"] == {"message": "shutting down", "type": "server_overloaded", "param": None,
+                                   "code": 503}
+    assert events[-1] == "[DONE]"
+    assert (refused.status_code, refused.headers["retry-after"]) == (503, "1")
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_dying_mid_stream_fails_over_with_prompt_plus_emitted_tokens():
+    verifier = FakeVerifier()
+    dies = FakeStream([{"type": "accepted"}, _step("a", 11), _step("b", 12, 2)], then=ActorDiedError())
+    survivor = FakeStream([{"type": "accepted"}, _step("c", 13, 1), _step("d", 14, 2, finish="length")])
+    verifier.streams = [dies, survivor]
+    server, app = _server(verifier)
+    body = {**BODY, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    (streamed,) = _run(app, [body])
+    events = _sse_events(streamed.text)
+    texts = [e["choices"][0]["text"] for e in events if e != "[DONE]" and e.get("choices")]
+    assert texts == ["a", "b", "c", "d"] and events[-1] == "[DONE]"  # no duplicate, no gap
+    assert events[-2]["usage"]["completion_tokens"] == 4
+    assert events[-2]["usage"]["prompt_tokens"] == len(verifier.calls[0][0])
+    (ids, params, text, *_), (ids2, params2, text2, *_) = verifier.calls
+    assert ids2 == ids + [11, 12] and params2["max_tokens"] == 2 and params["max_tokens"] == 4
+    assert text is not None and text2 is None
+    assert dies.cancelled and server._probe is None  # failed over: nothing marks the verifier gone

@@ -1,0 +1,82 @@
+"""Serve autoscaling of serving units under a load ramp, from a Serve config file as `serve run`
+runs it: one verifier replica, two while eight streams run (target_ongoing_requests 2), one again
+after the load stops; every request completes."""
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.test_lifecycle import _free_port, _replicas, _wait_status
+
+
+def _count_until(proc, want: int, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        assert proc.poll() is None, "serve run exited"
+        if len(_replicas(proc, "verifier")) == want:
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise AssertionError(f"verifier replicas did not reach {want} within {timeout_s} s "
+                         f"(now {len(_replicas(proc, 'verifier'))})")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    doc = yaml.safe_load(open("configs/serve.yaml"))
+    port = _free_port()
+    doc["http_options"]["port"] = port
+    app = doc["applications"][0]
+    verifier = next(d for d in app["deployments"] if d["name"] == "verifier")
+    verifier["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+                                      "metrics_interval_s": 0.5, "look_back_period_s": 2,
+                                      "upscale_delay_s": 1, "downscale_delay_s": 5}
+    verifier["ray_actor_options"] = {"num_cpus": 0}  # two units on a 2-core machine
+    path = tmp_path_factory.mktemp("autoscale") / "serve.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    log = open(path.with_suffix(".log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", str(path)], stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_status(url, 200, timeout_s=300, proc=proc)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+@pytest.mark.timeout(600)
+def test_units_scale_up_under_load_and_back_down_without_failed_requests(served):
+    proc, url = served
+    assert len(_replicas(proc, "verifier")) == 1
+    stop = threading.Event()
+    results: list = []
+
+    def client() -> None:
+        body = {"model": "stdlib-moe", "prompt": "def parse(text):\n", "max_tokens": 64, "ignore_eos": True}
+        while not stop.is_set():
+            r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+            results.append((r.status_code, r.json().get("usage", {}).get("completion_tokens")))
+
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(8)]
+    for c in clients:
+        c.start()
+    up_s = _count_until(proc, 2, timeout_s=180)
+    time.sleep(5)  # both units serve for a while
+    stop.set()
+    for c in clients:
+        c.join(300)
+    down_s = _count_until(proc, 1, timeout_s=180)
+    assert results and all(r == (200, 64) for r in results), [r for r in results if r != (200, 64)][:5]
+    print(f"scaled 1 -> 2 after {up_s:.1f} s of load, 2 -> 1 {down_s:.1f} s after it; {len(results)} requests")

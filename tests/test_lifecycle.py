@@ -1,0 +1,210 @@
+"""The embedded server as `make serve` runs it (``serve_app.py`` in its own process, its own local
+Ray): nothing listens beyond loopback, a request past request_timeout_s gets 504 and frees its KV,
+a dead verifier replica gives 503 + Retry-After (never 500) until it is back, and SIGTERM exits
+within 10 s with in-flight streams ended cleanly. The tests share one server, in file order; the
+last one stops it."""
+
+import ipaddress
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from actors.cluster import UNCONFINABLE_LISTENERS
+
+MODEL = "stdlib-moe"
+REQUEST_TIMEOUT_S = 6.0
+LONG = {"model": MODEL, "prompt": "def parse(text):\n", "max_tokens": 900, "ignore_eos": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(process, base URL) of `serve_app.py` on a copy of the embedded config with a short
+    request_timeout_s and small queues."""
+    config = yaml.safe_load(open("configs/embedded.yaml"))
+    port = _free_port()
+    config["http"]["port"] = port
+    config["request_timeout_s"] = REQUEST_TIMEOUT_S
+    config["engine"]["scheduler"].update(max_num_seqs=4, max_waiting=4)
+    path = tmp_path_factory.mktemp("lifecycle") / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = open(path.with_suffix(".log"), "w")
+    proc = subprocess.Popen([sys.executable, "serve_app.py", "--config", str(path)], stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_status(url, 200, timeout_s=240, proc=proc)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        log.close()
+
+
+def _wait_status(url: str, status: int, timeout_s: float, proc=None) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        assert proc is None or proc.poll() is None, "serve_app.py exited"
+        try:
+            if httpx.get(url + "/health", timeout=10).status_code == status:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"/health did not answer {status} within {timeout_s} s")
+
+
+def _tree(proc) -> list[psutil.Process]:
+    root = psutil.Process(proc.pid)
+    return [root] + root.children(recursive=True)
+
+
+def _replicas(proc, deployment: str) -> list[psutil.Process]:
+    """The live Serve replica processes of one deployment in the server's process tree."""
+    found = []
+    for p in _tree(proc):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and f"ServeReplica:specmoe:{deployment}" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # exited meanwhile
+            continue
+    return found
+
+
+def _kv_usage(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return float(re.search(r'^specmoe:kv_cache_usage_perc\{model_name="stdlib-moe"\} (\S+)$', text, re.M)[1])
+
+
+def _stream_in_background(url: str, out: list) -> threading.Thread:
+    """A long streaming request; ``out`` gets (status, [events]) and its first event as it comes."""
+    def run():
+        events = []
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                        out.append(("event", events[-1]))
+            out.append(("done", r.status_code, events))
+        except httpx.HTTPError as e:  # the connection was cut: what a clean end must avoid
+            out.append(("done", type(e).__name__, events))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_first_event(out: list, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(o[0] == "event" for o in out):
+        assert time.monotonic() < deadline, "the stream sent nothing"
+        time.sleep(0.05)
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def test_embedded_default_listens_on_loopback_only(server):
+    proc, url = server
+    listeners = []
+    for p in _tree(proc):
+        try:
+            name = p.cmdline()[0] if p.cmdline() else p.name()
+            listeners += [(p.pid, name, c.laddr.ip, c.laddr.port) for c in p.net_connections("inet")
+                          if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    port = int(url.rsplit(":", 1)[1])
+    assert any(lport == port and ip == "127.0.0.1" for _, _, ip, lport in listeners)  # the HTTP proxy
+    names = {name for _, name, _, _ in listeners}
+    assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names)
+    wide = [lst for lst in listeners if not _is_loopback(lst[2])]
+    # The one exception Ray 2.60 cannot confine: each Serve replica's inter-deployment gRPC server
+    # binds [::]:0 (actors/cluster.py). Everything else (GCS, raylet, object manager, workers,
+    # agents, controller, proxy, expert and draft actors) is loopback.
+    per_process: dict[int, list] = {}
+    for pid, name, ip, lport in wide:
+        assert any(name.startswith(prefix) for prefix in UNCONFINABLE_LISTENERS), (name, ip, lport)
+        per_process.setdefault(pid, []).append((ip, lport))
+    assert all(len(v) <= UNCONFINABLE_LISTENERS["ray::ServeReplica"] for v in per_process.values()), per_process
+    assert all(ip in ("::", "0.0.0.0") for v in per_process.values() for ip, _ in v)
+
+
+def test_request_past_request_timeout_gets_504_and_frees_its_kv(server):
+    _, url = server
+    start = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json=LONG, timeout=60)
+    took_s = time.monotonic() - start
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["type"] == "timeout" and "request_timeout_s" in r.json()["error"]["message"]
+    assert REQUEST_TIMEOUT_S <= took_s < REQUEST_TIMEOUT_S + 5
+    for _ in range(50):  # the abort lands within a step; the gauge follows the next engine change
+        if _kv_usage(url) == 0.0:
+            break
+        time.sleep(0.1)
+    assert _kv_usage(url) == 0.0
+    ok = httpx.post(url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back(server):
+    proc, url = server
+    out: list = []
+    stream = _stream_in_background(url, out)
+    plain: list = []
+    request = threading.Thread(target=lambda: plain.append(
+        httpx.post(url + "/v1/completions", json=LONG, timeout=60)), daemon=True)
+    request.start()
+    _wait_first_event(out)
+    verifier = _replicas(proc, "verifier")
+    assert len(verifier) == 1
+    verifier[0].send_signal(signal.SIGKILL)
+    stream.join(30)
+    request.join(30)
+    assert plain[0].status_code == 503 and plain[0].headers["retry-after"] == "5", plain[0].text
+    assert plain[0].json()["error"]["type"] == "server_overloaded"
+    _, status, events = out[-1]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == 503, events[-2]
+    refused = httpx.post(url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
+    back_after_s = _wait_status(url, 200, timeout_s=180, proc=proc)
+    ok = httpx.post(url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    print(f"verifier back after {back_after_s:.1f} s")
+
+
+def test_sigterm_exits_within_10_s_and_ends_streams_cleanly(server):
+    proc, url = server
+    out: list = []
+    stream = _stream_in_background(url, out)
+    _wait_first_event(out)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(30)
+    exit_s = time.monotonic() - start
+    stream.join(10)
+    _, status, events = out[-1]
+    assert rc == 0 and exit_s <= 10.0, (rc, exit_s)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == 503 and "shutting down" in events[-2]["error"]["message"]
+    print(f"SIGTERM to exit: {exit_s:.1f} s")
