@@ -112,6 +112,11 @@ def find_functions(file: SourceFile) -> list[Function]:
     return sorted(found, key=lambda f: (f.first_line, f.end_line))
 
 
+def heldout_functions() -> list[Function]:
+    """Every function with a docstring in the held-out split (files sorted, source order)."""
+    return [f for src in list_source_files("heldout") for f in find_functions(src)]
+
+
 def chat_text(content: str) -> str:
     """The prompt the server renders for one user message (specmoe's plain chat template)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -129,9 +134,9 @@ def lognormal_int(rng: random.Random, median: float, sigma: float, low: int, hig
 class MixBuilder:
     """Builds rows one at a time from a seeded generator (see the module docstring)."""
 
-    def __init__(self, tok: Tokenizer, seed: int) -> None:
+    def __init__(self, tok: Tokenizer, seed: int, functions: list[Function] | None = None) -> None:
         self.tok, self.rng = tok, random.Random(seed)
-        self.functions = [f for src in list_source_files("heldout") for f in find_functions(src)]
+        self.functions = heldout_functions() if functions is None else functions
         self._lines: dict[str, tuple[list[str], list[int]]] = {}
         self.seen: set[str] = set()
 
@@ -222,9 +227,9 @@ class MixBuilder:
             return row
 
 
-def build_rows(tok: Tokenizer, num: int, seed: int) -> list[dict]:
-    """``num`` mix rows (see the module docstring)."""
-    builder = MixBuilder(tok, seed)
+def build_rows(tok: Tokenizer, num: int, seed: int, functions: list[Function] | None = None) -> list[dict]:
+    """``num`` mix rows (see the module docstring); ``functions`` defaults to ``heldout_functions()``."""
+    builder = MixBuilder(tok, seed, functions)
     return [builder.row(i) for i in range(num)]
 
 

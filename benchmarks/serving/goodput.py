@@ -6,6 +6,8 @@
   has no TPOT and, as in vLLM, counts as TPOT 0 (it meets any TPOT SLO).
 - ``--slo-file``: per-class SLOs ``{class: {ttft_ms, tpot_ms, e2el_ms}}`` (YAML or JSON); a class's
   entry overrides the ``--goodput`` value metric by metric, other classes use ``--goodput`` alone.
+  Once any SLO is given, a class without budgets has nothing to miss: its completed requests are
+  good ("every listed SLO is met" holds vacuously).
 - SLO attainment of a class: good requests / requests *sent* of that class. Failed requests (an HTTP
   503 refusal included) count as misses: refusing work must not look like meeting the budget.
 
@@ -153,9 +155,10 @@ class GoodputMetrics:
     classes: list[ClassReport]
 
 
-def _class_report(name: str, results: Sequence[RequestResult], slo: Slo) -> ClassReport:
+def _class_report(name: str, results: Sequence[RequestResult], slo: Slo, judged: bool) -> ClassReport:
+    """``judged``: the run has SLOs, so good/attainment are counted (None otherwise)."""
     samples = latency_samples_s(results)
-    good = None if slo.is_empty() else sum(is_good(r, slo) for r in results)
+    good = sum(is_good(r, slo) for r in results) if judged else None
     return ClassReport(
         name=name,
         slo=slo,
@@ -174,8 +177,9 @@ def compute_goodput(results: Sequence[RequestResult], duration_s: float, slos: S
     by_class: dict[str, list[RequestResult]] = {}
     for r in results:
         by_class.setdefault(class_of(r), []).append(r)
-    classes = [_class_report(name, rs, slos.for_class(name)) for name, rs in by_class.items()]
-    if slos.is_empty():
+    judged = not slos.is_empty()
+    classes = [_class_report(name, rs, slos.for_class(name), judged) for name, rs in by_class.items()]
+    if not judged:
         return GoodputMetrics(None, None, None, classes)
     good = sum(c.good or 0 for c in classes)
     return GoodputMetrics(
