@@ -29,7 +29,6 @@ Usage: python scripts/make_mix.py [--num 400] [--seed 0] [--out benchmarks/data/
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import random
@@ -44,7 +43,7 @@ if __package__ in (None, ""):  # allow `python scripts/make_mix.py`
 from tokenizers import Tokenizer  # noqa: E402
 
 from actors.chat_template import PLAIN_CHAT_TEMPLATE  # noqa: E402
-from scripts.make_prompts import Cut, cut_prompt  # noqa: E402
+from scripts.make_prompts import Cut, cut_prompt, documented_functions, first_line  # noqa: E402
 from scripts.stdlib_corpus import SourceFile, list_source_files  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,18 +96,11 @@ class Function:
 
 def find_functions(file: SourceFile) -> list[Function]:
     """All (async) functions with a docstring in one file, in source order."""
-    try:
-        tree = ast.parse(file.text)
-    except SyntaxError:
-        return []
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and ast.get_docstring(node) is not None:
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            doc = node.body[0]
-            found.append(
-                Function(file, node.name, first, doc.lineno, doc.end_lineno or doc.lineno, node.end_lineno or doc.lineno)
-            )
+    for node in documented_functions(file):
+        doc = node.body[0]
+        doc_end = doc.end_lineno or doc.lineno
+        found.append(Function(file, node.name, first_line(node), doc.lineno, doc_end, node.end_lineno or doc_end))
     return sorted(found, key=lambda f: (f.first_line, f.end_line))
 
 
