@@ -128,21 +128,27 @@ def plot_goodput(runs: Sequence[BenchmarkRun], out_dir: Path) -> Path | None:
     for name, rs in groups.items():
         rs = sorted(rs, key=lambda r: r.shape.request_rate_per_s)
         rates = [r.shape.request_rate_per_s for r in rs]
-        goodput = [np.nan if r.goodput.goodput_req_per_s is None else r.goodput.goodput_req_per_s for r in rs]
+        goodput = [r.goodput.goodput_req_per_s for r in rs]
+        goodput = [np.nan if g is None else g for g in goodput]
         axes[0].plot(rates, goodput, marker="o", label=name)
         classes = dict.fromkeys(c.name for r in rs for c in r.goodput.classes)
         for ax, (key, title) in zip(axes[1:], _CLASS_PANELS, strict=True):
             for cls in classes:
                 by_rate = [{c.name: c for c in r.goodput.classes}.get(cls) for r in rs]
-                for stat, style in (("median_s", "--"), ("p99_s", "-")):
-                    values_ms = [
-                        np.nan
-                        if c is None or getattr(getattr(c, key), stat) is None
-                        else getattr(getattr(c, key), stat) * 1e3
-                        for c in by_rate
-                    ]
-                    label = f"{name} {cls} {'p50' if stat == 'median_s' else 'p99'}"
-                    ax.plot(rates, values_ms, style, marker="o", markersize=3, label=label)
+                color = None  # p50 and p99 of one (configuration, class) share a colour
+                for stat, style, label in (("median_s", "--", "p50"), ("p99_s", "-", "p99")):
+                    values_s = [None if c is None else getattr(getattr(c, key), stat) for c in by_rate]
+                    values_ms = [np.nan if v is None else v * 1e3 for v in values_s]
+                    (line,) = ax.plot(
+                        rates,
+                        values_ms,
+                        style,
+                        color=color,
+                        marker="o",
+                        markersize=3,
+                        label=f"{name} {cls} {label}",
+                    )
+                    color = line.get_color()
             ax.set(
                 title=f"{title} per class (p50 dashed, p99 solid)", xlabel="offered load (req/s)", ylabel="ms"
             )
