@@ -10,6 +10,14 @@ Sweep over concurrencies and server configurations, with ratios against a baseli
     python benchmarks/serve.py --sweep --concurrency-list 1,2,4,8,16 --config-file sweep.yaml \
         --configs speculation_off,draft_k4 --baseline speculation_off --plot plots/
 
+Production prompt mix, bursty arrivals, goodput against SLOs (per class), and goodput vs offered
+load for several configurations:
+
+    python benchmarks/serve.py --dataset benchmarks/data/production_mix.jsonl --request-rate 4 \
+        --class-burstiness completion:0.1 --goodput ttft:500 tpot:50 --slo-file slo.yaml
+    python benchmarks/serve.py --sweep --request-rate-list 1,2,4,8 --dataset ... --goodput ttft:500 \
+        --config-file configs/sweep.yaml --configs speculation_off,draft_k4 --plot plots/
+
 See docs/BENCHMARKS.md for the metric definitions and the configuration file format.
 """
 
@@ -27,8 +35,10 @@ if __package__ in (None, ""):  # allow `python benchmarks/serve.py`
 
 from benchmarks.serving.client import RequestOptions  # noqa: E402
 from benchmarks.serving.dataset import DEFAULT_DATASET, load_prompts, sample_prompts  # noqa: E402
+from benchmarks.serving.goodput import SloConfig, load_slo_file, parse_goodput_args  # noqa: E402
 from benchmarks.serving.loadgen import LoadShape  # noqa: E402
 from benchmarks.serving.report import (  # noqa: E402
+    format_goodput_sweep,
     format_ratios,
     format_run,
     format_sweep,
@@ -42,12 +52,29 @@ from benchmarks.serving.sweep import (  # noqa: E402
     baseline_ratios,
     load_server_configs,
     run_sweep,
+    sweep_shapes,
 )
 
 
 def parse_int_list(text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4]."""
     return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_float_list(text: str) -> list[float]:
+    """'0.5,1,2' -> [0.5, 1.0, 2.0]."""
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def parse_class_floats(text: str) -> dict[str, float]:
+    """'completion:0.1,chat:1' -> {'completion': 0.1, 'chat': 1.0}."""
+    out = {}
+    for part in filter(str.strip, text.split(",")):
+        name, sep, value = part.partition(":")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected CLASS:VALUE, got {part!r}")
+        out[name.strip()] = float(value)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seed", type=int, default=0, help="prompt order and Poisson arrivals")
     data.add_argument("--temperature", type=float, default=0.0)
     data.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true")
+    data.add_argument(
+        "--no-slo-class", action="store_true", help="do not send the rows' slo_class field in the body"
+    )
     load = p.add_argument_group("load")
     load.add_argument(
         "--concurrency",
@@ -71,12 +101,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="requests in flight (default 1; with --request-rate: a cap, default none)",
     )
-    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    load.add_argument(
+        "--request-rate", type=float, default=None, help="open loop: Gamma (Poisson) arrivals, requests/s"
+    )
+    load.add_argument(
+        "--burstiness", type=float, default=1.0, help="Gamma shape of the gaps: 1 Poisson, < 1 burstier"
+    )
+    load.add_argument(
+        "--class-burstiness",
+        type=parse_class_floats,
+        default={},
+        help="CLASS:SHAPE,...: an arrival process per class (others use --burstiness)",
+    )
     load.add_argument("--time-limit-s", type=float, default=600.0, help="no new requests after this")
     load.add_argument("--request-timeout-s", type=float, default=300.0, help="per request, whole stream")
     sweep = p.add_argument_group("sweep")
     sweep.add_argument("--sweep", action="store_true", help="run every config x --concurrency-list")
     sweep.add_argument("--concurrency-list", type=parse_int_list, default=[1, 2, 4, 8, 16])
+    sweep.add_argument(
+        "--request-rate-list",
+        type=parse_float_list,
+        default=None,
+        help="sweep offered load (req/s) instead of concurrency; --concurrency stays a cap",
+    )
     sweep.add_argument("--config-file", type=Path, default=None, help="YAML/JSON server configurations")
     sweep.add_argument(
         "--configs", default=None, help="comma-separated names from --config-file (default all)"
@@ -88,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stdout/stderr of start_cmd servers, <name>.log (default: a new temporary directory)",
     )
+    slo = p.add_argument_group("goodput")
+    slo.add_argument(
+        "--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS"
+    )
+    slo.add_argument("--slo-file", type=Path, default=None, help="per-class SLOs {class: {ttft_ms, tpot_ms}}")
     out = p.add_argument_group("output")
     out.add_argument("--save-result", type=Path, default=None, help="write the JSON result here")
     out.add_argument("--plot", type=Path, default=None, help="write PNG figures into this directory")
@@ -95,16 +147,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _single(args: argparse.Namespace, options: RequestOptions, prompts, warmup) -> list[BenchmarkRun]:
-    concurrency = args.concurrency if args.concurrency or args.request_rate else 1
-    shape = LoadShape(
-        concurrency=concurrency,
-        request_rate_per_s=args.request_rate,
+def _shape(args: argparse.Namespace) -> LoadShape:
+    """The load shape of a single run (and the template of a sweep's load points)."""
+    open_loop = args.request_rate or args.request_rate_list
+    return LoadShape(
+        concurrency=args.concurrency if args.concurrency or open_loop else 1,
+        request_rate_per_s=args.request_rate or (args.request_rate_list or [None])[0],
         seed=args.seed,
         time_limit_s=args.time_limit_s,
+        burstiness=args.burstiness,
+        class_burstiness=args.class_burstiness,
     )
+
+
+async def _single(args: argparse.Namespace, options: RequestOptions, prompts, warmup) -> list[BenchmarkRun]:
     run = await run_benchmark(
-        args.base_url, prompts, options, shape, warmup, show_progress=not args.no_progress
+        args.base_url,
+        prompts,
+        options,
+        _shape(args),
+        warmup,
+        show_progress=not args.no_progress,
+        slos=args.slos,
     )
     print(format_run(run))
     return [run]
@@ -120,13 +184,7 @@ def _sweep_configs(args: argparse.Namespace) -> list[ServerConfig]:
 async def _sweep(
     args: argparse.Namespace, configs: list[ServerConfig], options: RequestOptions, prompts, warmup
 ):
-    async def run_one(base_url: str, config: ServerConfig, concurrency: int) -> BenchmarkRun:
-        shape = LoadShape(
-            concurrency=concurrency,
-            request_rate_per_s=args.request_rate,
-            seed=args.seed,
-            time_limit_s=args.time_limit_s,
-        )
+    async def run_one(base_url: str, config: ServerConfig, shape: LoadShape) -> BenchmarkRun:
         run_options = dataclasses.replace(options, model=config.model or options.model)
         run = await run_benchmark(
             base_url,
@@ -136,11 +194,13 @@ async def _sweep(
             warmup,
             label=config.name,
             show_progress=not args.no_progress,
+            slos=args.slos,
         )
         print(format_run(run), flush=True)
         return run
 
-    return await run_sweep(configs, args.concurrency_list, run_one, args.server_log_dir)
+    shapes = sweep_shapes(_shape(args), args.concurrency_list, args.request_rate_list)
+    return await run_sweep(configs, shapes, run_one, args.server_log_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         configs = _sweep_configs(args) if args.sweep else []
         if min(args.num_requests, args.warmup_requests) < 0 or min(args.concurrency_list or [0]) < 1:
             raise ValueError("request counts must be >= 0 and concurrencies >= 1")
+        if min(args.request_rate_list or [1.0]) <= 0:
+            raise ValueError("request rates must be > 0")
+        per_class = load_slo_file(args.slo_file) if args.slo_file else {}
+        args.slos = SloConfig(parse_goodput_args(args.goodput), per_class)
+        _shape(args)  # burstiness checks
     except (OSError, ValueError, TypeError) as exc:  # TypeError: a config entry of the wrong shape
         parser.error(str(exc))
     sampled = sample_prompts(rows, args.warmup_requests + args.num_requests, args.seed)
@@ -163,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         request_timeout_s=args.request_timeout_s,
+        send_slo_class=not args.no_slo_class,
     )
     if args.sweep:
         runs, failures = asyncio.run(_sweep(args, configs, options, prompts, warmup))
@@ -170,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         acceptance = acceptance_by_config(runs)
         print(format_sweep(runs, failures))
         print(format_ratios(ratios, args.baseline))
+        if goodput_table := format_goodput_sweep(runs):
+            print(goodput_table)
         result = sweep_to_dict(runs, failures, ratios, acceptance, args.baseline)
     else:
         runs, failures = asyncio.run(_single(args, options, prompts, warmup)), []
@@ -191,6 +259,7 @@ def _write_plots(out_dir: Path, runs: list[BenchmarkRun], sweep: bool) -> None:
             plots.plot_throughput(runs, out_dir),
             plots.plot_p99_latency(runs, out_dir),
             plots.plot_acceptance(acceptance_by_config(runs), out_dir),
+            plots.plot_goodput(runs, out_dir),
         ]
     print("plots:", ", ".join(str(p) for p in written if p is not None))
 

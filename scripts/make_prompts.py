@@ -46,18 +46,30 @@ class Cut:
     end_line: int  # last line of the docstring
 
 
-def find_cuts(file: SourceFile) -> list[Cut]:
-    """All (async) functions with a docstring in one file, in source order."""
+def documented_functions(file: SourceFile) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """All (async) functions with a docstring in one file, in ``ast.walk`` order ([] if it does not parse)."""
     try:
         tree = ast.parse(file.text)
     except SyntaxError:
         return []
-    cuts = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or ast.get_docstring(node) is None:
-            continue
-        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-        cuts.append(Cut(file, first, node.body[0].end_lineno or node.body[0].lineno))
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and ast.get_docstring(node) is not None
+    ]
+
+
+def first_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The first decorator's line, or the ``def`` line."""
+    return min([node.lineno] + [d.lineno for d in node.decorator_list])
+
+
+def find_cuts(file: SourceFile) -> list[Cut]:
+    """All (async) functions with a docstring in one file, in source order."""
+    cuts = [
+        Cut(file, first_line(node), node.body[0].end_lineno or node.body[0].lineno)
+        for node in documented_functions(file)
+    ]
     return sorted(cuts, key=lambda c: (c.first_line, c.end_line))
 
 

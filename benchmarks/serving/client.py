@@ -29,6 +29,8 @@ class RequestOptions:
     temperature: float = 0.0
     ignore_eos: bool = False  # only sent when True: not every server knows the field
     request_timeout_s: float = 300.0  # whole request, first byte to [DONE]
+    # Send each prompt's class as the body field ``slo_class`` (specmoe ignores unknown fields).
+    send_slo_class: bool = True
 
 
 @dataclass
@@ -49,13 +51,19 @@ class RequestResult:
     output_tokens: int | None = None
     prompt_tokens: int | None = None
     error: str | None = None
+    slo_class: str | None = None  # the prompt's request class (set by the load generator)
 
 
 def build_payload(prompt: Prompt, options: RequestOptions) -> tuple[str, dict[str, Any]]:
-    """(URL path, JSON body) for one streaming request with a final usage chunk."""
+    """(URL path, JSON body) for one streaming request with a final usage chunk.
+
+    A prompt's own ``endpoint``/``temperature`` win over the run's options; ``seed`` and
+    ``slo_class`` are sent only when the prompt has them (``slo_class`` unless turned off).
+    """
+    temperature = options.temperature if prompt.temperature is None else prompt.temperature
     body: dict[str, Any] = {
         "max_tokens": prompt.max_tokens,
-        "temperature": options.temperature,
+        "temperature": temperature,
         "stream": True,
         # The usage chunk is the only source of the output token count (chunks may carry several
         # tokens each under speculative decoding).
@@ -65,11 +73,16 @@ def build_payload(prompt: Prompt, options: RequestOptions) -> tuple[str, dict[st
         body["model"] = options.model
     if options.ignore_eos:
         body["ignore_eos"] = True
-    if options.endpoint == "chat":
+    if prompt.seed is not None:
+        body["seed"] = prompt.seed
+    if prompt.slo_class is not None and options.send_slo_class:
+        body["slo_class"] = prompt.slo_class
+    endpoint = prompt.endpoint or options.endpoint
+    if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt.prompt}]
         return CHAT_PATH, body
-    if options.endpoint != "completions":
-        raise ValueError(f"unknown endpoint {options.endpoint!r}: use 'completions' or 'chat'")
+    if endpoint != "completions":
+        raise ValueError(f"unknown endpoint {endpoint!r}: use 'completions' or 'chat'")
     body["prompt"] = prompt.prompt
     return COMPLETIONS_PATH, body
 
@@ -151,7 +164,7 @@ async def send_request(
     failure too, because TTFT and the token count would be undefined.
     """
     path, body = build_payload(prompt, options)
-    result = RequestResult(prompt_id=prompt.id)
+    result = RequestResult(prompt_id=prompt.id, slo_class=prompt.slo_class)
     try:
         # wait_for bounds the whole request: httpx's own timeout is per read, and a server that
         # trickles chunks forever would never trip it.

@@ -2,6 +2,9 @@
 
 Rows look like ``{"id", "module", "prompt", "num_prompt_tokens", "max_tokens"}`` (the format of
 ``benchmarks/data/stdlib_heldout.jsonl``); only ``prompt`` is required, the others get defaults.
+Rows of a prompt mix (``benchmarks/data/production_mix.jsonl``) may also set ``slo_class`` (the
+request class the report groups by), ``endpoint`` (``completions`` or ``chat``), ``temperature`` and
+``seed``; these override the command line's settings for that row.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ class Prompt:
     prompt: str
     max_tokens: int
     num_prompt_tokens: int | None = None
+    slo_class: str | None = None
+    endpoint: str | None = None  # None: the run's endpoint
+    temperature: float | None = None  # None: the run's temperature
+    seed: int | None = None
 
 
 def load_prompts(path: str | Path, max_tokens_override: int | None = None) -> list[Prompt]:
@@ -44,6 +51,8 @@ def load_prompts(path: str | Path, max_tokens_override: int | None = None) -> li
             row = json.loads(line)
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise ValueError(f"{path}:{line_no}: expected a JSON object with a string 'prompt'")
+            if row.get("endpoint") not in (None, "completions", "chat"):
+                raise ValueError(f"{path}:{line_no}: 'endpoint' must be 'completions' or 'chat'")
             max_tokens = max_tokens_override or int(row.get("max_tokens") or FALLBACK_MAX_TOKENS)
             prompts.append(
                 Prompt(
@@ -51,11 +60,25 @@ def load_prompts(path: str | Path, max_tokens_override: int | None = None) -> li
                     prompt=row["prompt"],
                     max_tokens=max_tokens,
                     num_prompt_tokens=row.get("num_prompt_tokens"),
+                    slo_class=_optional(row, "slo_class", str, path, line_no),
+                    endpoint=_optional(row, "endpoint", str, path, line_no),
+                    temperature=_optional(row, "temperature", float, path, line_no),
+                    seed=_optional(row, "seed", int, path, line_no),
                 )
             )
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
+
+
+def _optional(row: dict, key: str, kind: type, path: str | Path, line_no: int):
+    """``kind(row[key])`` or None when absent; ValueError naming the line for a wrong type."""
+    value = row.get(key)
+    if value is None:
+        return None
+    if kind is str and not isinstance(value, str) or kind is not str and not isinstance(value, int | float):
+        raise ValueError(f"{path}:{line_no}: '{key}' must be a {kind.__name__}, got {value!r}")
+    return kind(value)
 
 
 def sample_prompts(prompts: list[Prompt], num: int, seed: int | None) -> list[Prompt]:

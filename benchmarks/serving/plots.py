@@ -1,5 +1,6 @@
-"""PNG figures: latency CDFs, and for sweeps throughput / p99 latency vs concurrency and acceptance
-per draft position. matplotlib is imported lazily (Agg backend) so the rest runs without it."""
+"""PNG figures: latency CDFs, and for sweeps throughput / p99 latency vs concurrency, acceptance
+per draft position, and goodput / per-class TTFT and TPOT vs offered load (request-rate sweeps).
+matplotlib is imported lazily (Agg backend) so the rest runs without it."""
 
 from __future__ import annotations
 
@@ -107,6 +108,57 @@ def plot_acceptance(acceptance: dict[str, AcceptanceMetrics], out_dir: Path) -> 
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return _save(fig, plt, out_dir / "acceptance_per_position.png")
+
+
+_CLASS_PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"))
+
+
+def plot_goodput(runs: Sequence[BenchmarkRun], out_dir: Path) -> Path | None:
+    """``goodput_vs_load.png``: goodput (req/s) vs offered load per configuration, and per class
+    p50 (dashed) / p99 (solid) TTFT and TPOT (ms) vs offered load; None unless the sweep varied
+    the request rate."""
+    swept = [r for r in runs if r.shape.request_rate_per_s is not None and r.goodput is not None]
+    if len({r.shape.request_rate_per_s for r in swept}) < 2:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 1 + len(_CLASS_PANELS), figsize=(18, 4.8))
+    groups: dict[str, list[BenchmarkRun]] = {}
+    for run in swept:
+        groups.setdefault(run.label, []).append(run)
+    for name, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.shape.request_rate_per_s)
+        rates = [r.shape.request_rate_per_s for r in rs]
+        goodput = [r.goodput.goodput_req_per_s for r in rs]
+        goodput = [np.nan if g is None else g for g in goodput]
+        axes[0].plot(rates, goodput, marker="o", label=name)
+        classes = dict.fromkeys(c.name for r in rs for c in r.goodput.classes)
+        for ax, (key, title) in zip(axes[1:], _CLASS_PANELS, strict=True):
+            for cls in classes:
+                by_rate = [{c.name: c for c in r.goodput.classes}.get(cls) for r in rs]
+                color = None  # p50 and p99 of one (configuration, class) share a colour
+                for stat, style, label in (("median_s", "--", "p50"), ("p99_s", "-", "p99")):
+                    values_s = [None if c is None else getattr(getattr(c, key), stat) for c in by_rate]
+                    values_ms = [np.nan if v is None else v * 1e3 for v in values_s]
+                    (line,) = ax.plot(
+                        rates,
+                        values_ms,
+                        style,
+                        color=color,
+                        marker="o",
+                        markersize=3,
+                        label=f"{name} {cls} {label}",
+                    )
+                    color = line.get_color()
+            ax.set(
+                title=f"{title} per class (p50 dashed, p99 solid)", xlabel="offered load (req/s)", ylabel="ms"
+            )
+    all_rates = sorted({r.shape.request_rate_per_s for r in swept})
+    axes[0].plot(all_rates, all_rates, ":", color="grey", label="offered load")
+    axes[0].set(title="Goodput (requests meeting every SLO)", xlabel="offered load (req/s)", ylabel="req/s")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    return _save(fig, plt, out_dir / "goodput_vs_load.png")
 
 
 def _concurrency_axis(ax, runs: Sequence[BenchmarkRun]) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.serving.acceptance import AcceptanceMetrics
+from benchmarks.serving.goodput import UNCLASSIFIED, GoodputMetrics, Slo
 from benchmarks.serving.metrics import LatencySummary
 from benchmarks.serving.runner import BenchmarkRun
 from benchmarks.serving.sweep import BaselineRatios, SweepFailure
@@ -57,12 +58,51 @@ def _acceptance_rows(acc: AcceptanceMetrics) -> list[str]:
 
 
 def shape_text(run: BenchmarkRun) -> str:
-    """'concurrency 4' / 'Poisson 2 req/s, max concurrency 4' for headers."""
+    """'concurrency 4' / 'Poisson 2 req/s, max concurrency 4' / 'Gamma(0.5) 2 req/s' for headers."""
     shape = run.shape
     if shape.request_rate_per_s is None:
         return f"concurrency {shape.concurrency}"
     cap = f", max concurrency {shape.concurrency}" if shape.concurrency else ""
-    return f"Poisson {shape.request_rate_per_s:g} req/s{cap}"
+    process = "Poisson" if shape.burstiness == 1.0 else f"Gamma({shape.burstiness:g})"
+    if shape.class_burstiness:
+        process += " [" + ", ".join(f"{k}: {v:g}" for k, v in shape.class_burstiness.items()) + "]"
+    return f"{process} {shape.request_rate_per_s:g} req/s{cap}"
+
+
+def slo_text(slo: Slo) -> str:
+    """'TTFT<=500 TPOT<=50' (ms), '-' for no SLO."""
+    parts = [
+        f"{label}<={value:g}"
+        for label, value in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms), ("E2EL", slo.e2el_ms))
+        if value is not None
+    ]
+    return " ".join(parts) or "-"
+
+
+def has_goodput(g: GoodputMetrics | None) -> bool:
+    """Worth reporting: SLOs were given or the requests carry classes."""
+    return g is not None and (g.good is not None or any(c.name != UNCLASSIFIED for c in g.classes))
+
+
+def _goodput_rows(g: GoodputMetrics | None) -> list[str]:
+    """Goodput and one block per request class (omitted for an unclassified run without SLOs)."""
+    if g is None or not has_goodput(g):
+        return []
+    rows = [_section("Goodput and SLO attainment")]
+    if g.good is not None:
+        rows += [
+            _row("Good requests", str(g.good)),
+            _row("Goodput (req/s)", fmt(g.goodput_req_per_s)),
+            _row("SLO attainment", fmt(g.slo_attainment, digits=4)),
+        ]
+    for c in g.classes:
+        rows += [
+            f"  class {c.name} ({slo_text(c.slo)} ms): {c.requests} sent, {c.completed} ok, "
+            f"attainment {fmt(c.slo_attainment, digits=4)}",
+            f"    TTFT p50/p99 {fmt(c.ttft.median_s, 1e3)}/{fmt(c.ttft.p99_s, 1e3)} ms, "
+            f"TPOT p50/p99 {fmt(c.tpot.median_s, 1e3)}/{fmt(c.tpot.p99_s, 1e3)} ms",
+        ]
+    return rows
 
 
 def format_run(run: BenchmarkRun) -> str:
@@ -91,6 +131,7 @@ def format_run(run: BenchmarkRun) -> str:
     rows += _latency_rows("Time per Output Token (excl. 1st)", "TPOT", m.tpot)
     rows += _latency_rows("Inter-token Latency", "ITL", m.itl)
     rows += _latency_rows("End-to-end Latency", "E2E", m.e2e)
+    rows += _goodput_rows(run.goodput)
     rows += _acceptance_rows(run.acceptance)
     return "\n".join(rows + ["=" * WIDTH])
 
@@ -148,6 +189,47 @@ def format_sweep(runs: Sequence[BenchmarkRun], failures: Sequence[SweepFailure])
     for failure in failures:
         text += f"\nFAILED configuration {failure.name}: {failure.reason}"
     return text
+
+
+def format_goodput_sweep(runs: Sequence[BenchmarkRun]) -> str:
+    """One line per (configuration, load point, class): attainment and TTFT/TPOT p50/p99 in ms,
+    and the run's goodput ('' when no run has SLOs or classes)."""
+    header = [
+        "config",
+        "conc",
+        "req/s in",
+        "goodput",
+        "class",
+        "sent",
+        "attain",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+    ]
+    rows = []
+    for run in runs:
+        g = run.goodput
+        for c in g.classes if g is not None and has_goodput(g) else []:
+            rate = run.shape.request_rate_per_s
+            rows.append(
+                [
+                    run.label,
+                    str(run.shape.concurrency),
+                    NA if rate is None else f"{rate:g}",
+                    fmt(g.goodput_req_per_s),
+                    c.name,
+                    str(c.requests),
+                    fmt(c.slo_attainment, digits=3),
+                    fmt(c.ttft.median_s, 1e3),
+                    fmt(c.ttft.p99_s, 1e3),
+                    fmt(c.tpot.median_s, 1e3),
+                    fmt(c.tpot.p99_s, 1e3),
+                ]
+            )
+    if not rows:
+        return ""
+    return "Goodput (req/s) and SLO attainment per class (latencies in ms)\n" + _table(header, rows)
 
 
 def format_ratios(rows: Sequence[BaselineRatios], baseline: str) -> str:

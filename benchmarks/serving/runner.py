@@ -20,6 +20,7 @@ from benchmarks.serving.acceptance import (
 )
 from benchmarks.serving.client import RequestOptions, RequestResult, fetch_text, resolve_model
 from benchmarks.serving.dataset import Prompt
+from benchmarks.serving.goodput import GoodputMetrics, SloConfig, compute_goodput
 from benchmarks.serving.loadgen import LoadShape, run_load
 from benchmarks.serving.metrics import ServingMetrics, compute_metrics
 
@@ -40,6 +41,7 @@ class BenchmarkRun:
     acceptance: AcceptanceMetrics
     not_sent: int
     warmup_failed: int
+    goodput: GoodputMetrics | None = None  # per-class reports; goodput itself only with SLOs
 
 
 @contextlib.contextmanager
@@ -76,8 +78,11 @@ async def run_benchmark(
     warmup_prompts: Sequence[Prompt] = (),
     label: str = "default",
     show_progress: bool = True,
+    slos: SloConfig | None = None,
 ) -> BenchmarkRun:
     """Warm up (not counted), then measure ``prompts`` under ``shape`` and read acceptance deltas.
+
+    ``slos``: the latency budgets goodput and per-class attainment are judged against.
 
     The model name is asked of ``GET /v1/models`` when ``options.model`` is None. Warm-up uses the
     same concurrency (closed loop, so it does not wait for Poisson arrivals) and time limit.
@@ -107,4 +112,5 @@ async def run_benchmark(
         acceptance=acceptance_metrics(deltas),
         not_sent=load.not_sent,
         warmup_failed=warmup_failed,
+        goodput=compute_goodput(load.results, load.duration_s, slos or SloConfig()),
     )

@@ -1,4 +1,5 @@
-"""Sweeps: several server configurations x a list of concurrencies, compared against a baseline.
+"""Sweeps: several server configurations x a list of load points (concurrencies, or request rates for
+goodput vs offered load), compared against a baseline.
 
 A configuration file (YAML or JSON) holds a list of entries (or ``{"configs": [...]}``); each has a
 ``name`` and either
@@ -38,6 +39,7 @@ from benchmarks.serving.acceptance import (
     acceptance_metrics,
     add_counters,
 )
+from benchmarks.serving.loadgen import LoadShape
 from benchmarks.serving.runner import BenchmarkRun
 
 POLL_INTERVAL_S = 0.1
@@ -170,16 +172,26 @@ async def serving(config: ServerConfig, log_dir: Path) -> AsyncIterator[str]:
         stop_process_group(proc)
 
 
-RunOne = Callable[[str, ServerConfig, int], Awaitable[BenchmarkRun]]
+RunOne = Callable[[str, ServerConfig, LoadShape], Awaitable[BenchmarkRun]]
+
+
+def sweep_shapes(
+    shape: LoadShape, concurrencies: Sequence[int], request_rates_per_s: Sequence[float] | None
+) -> list[LoadShape]:
+    """The load points of a sweep: ``shape`` at every request rate when rates are given (its
+    concurrency stays a cap), else closed loops at every concurrency."""
+    if request_rates_per_s:
+        return [dataclasses.replace(shape, request_rate_per_s=rate) for rate in request_rates_per_s]
+    return [dataclasses.replace(shape, concurrency=c) for c in concurrencies]
 
 
 async def run_sweep(
     configs: Sequence[ServerConfig],
-    concurrencies: Sequence[int],
+    shapes: Sequence[LoadShape],
     run_one: RunOne,
     log_dir: Path | None = None,
 ) -> tuple[list[BenchmarkRun], list[SweepFailure]]:
-    """``run_one(base_url, config, concurrency)`` for every configuration and concurrency.
+    """``run_one(base_url, config, shape)`` for every configuration and load point (``sweep_shapes``).
 
     Configurations run one after another (each server started only for its own runs); one that
     fails to start is recorded as a SweepFailure and the sweep goes on.
@@ -191,8 +203,8 @@ async def run_sweep(
     for config in configs:
         try:
             async with serving(config, log_dir) as base_url:
-                for concurrency in concurrencies:
-                    runs.append(await run_one(base_url, config, concurrency))
+                for shape in shapes:
+                    runs.append(await run_one(base_url, config, shape))
         except RuntimeError as exc:
             failures.append(SweepFailure(config.name, str(exc)))
     return runs, failures
@@ -200,7 +212,7 @@ async def run_sweep(
 
 @dataclass(frozen=True)
 class BaselineRatios:
-    """One configuration vs the baseline at one concurrency: value / baseline value (None = n/a)."""
+    """One configuration vs the baseline at one load point: value / baseline value (None = n/a)."""
 
     name: str
     concurrency: int | None
@@ -209,6 +221,7 @@ class BaselineRatios:
     itl_p99: float | None
     tpot_p50: float | None
     tpot_p99: float | None
+    request_rate_per_s: float | None = None  # the load point of a request-rate sweep
 
 
 def ratio(value: float | None, baseline: float | None) -> float | None:
@@ -219,11 +232,12 @@ def ratio(value: float | None, baseline: float | None) -> float | None:
 
 
 def baseline_ratios(runs: Sequence[BenchmarkRun], baseline: str) -> list[BaselineRatios]:
-    """Ratios of every run against the baseline run with the same concurrency (in run order)."""
-    base_by_concurrency = {r.shape.concurrency: r.metrics for r in runs if r.label == baseline}
+    """Ratios of every run against the baseline run at the same load point (concurrency and request
+    rate), in run order."""
+    base_by_point = {load_point(r.shape): r.metrics for r in runs if r.label == baseline}
     rows = []
     for run in runs:
-        base = base_by_concurrency.get(run.shape.concurrency)
+        base = base_by_point.get(load_point(run.shape))
         if base is None:
             continue
         m = run.metrics
@@ -236,9 +250,15 @@ def baseline_ratios(runs: Sequence[BenchmarkRun], baseline: str) -> list[Baselin
                 itl_p99=ratio(m.itl.p99_s, base.itl.p99_s),
                 tpot_p50=ratio(m.tpot.median_s, base.tpot.median_s),
                 tpot_p99=ratio(m.tpot.p99_s, base.tpot.p99_s),
+                request_rate_per_s=run.shape.request_rate_per_s,
             )
         )
     return rows
+
+
+def load_point(shape: LoadShape) -> tuple[int | None, float | None]:
+    """(concurrency, request rate): what makes two runs of a sweep comparable."""
+    return shape.concurrency, shape.request_rate_per_s
 
 
 def acceptance_by_config(runs: Sequence[BenchmarkRun]) -> dict[str, AcceptanceMetrics]:
