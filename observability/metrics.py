@@ -144,9 +144,7 @@ class EngineMetrics:
         if off:
             self._spec_off_steps.inc(off)
         self._record_slo(totals.get("slo_attainment") or {}, prev.get("slo_attainment") or {})
-        self._last_totals = {k: list(v) if isinstance(v, (list, tuple))
-                             else {kk: list(vv) for kk, vv in v.items()} if isinstance(v, dict) else v
-                             for k, v in totals.items()}
+        self._last_totals = {k: _snapshot(v) for k, v in totals.items()}
         if "num_running" in totals:
             self.set_engine_state(int(totals["num_running"]), int(totals.get("num_waiting", 0)),
                                   float(totals.get("kv_cache_usage", 0.0)))
@@ -217,6 +215,15 @@ class EngineMetrics:
     def render(self) -> bytes:
         """This registry as Prometheus text (what the verifier hands to the ingress)."""
         return render(self.registry)
+
+
+def _snapshot(value: object) -> object:
+    """A copy of a totals value that later engine updates cannot change (lists, dicts of lists)."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
 
 
 def _delta(cur: object, prev: object) -> int:

@@ -129,8 +129,9 @@ def test_chosen_draft_lengths_and_off_steps_come_from_engine_totals():
 def test_slo_attainment_counters_follow_engine_totals():
     em = EngineMetrics("tiny-moe")
     r = em.registry
-    em.sync_from_engine({"slo_attainment": {"chat": [3, 4]}})
-    em.sync_from_engine({"slo_attainment": {"chat": [5, 7], "batch": [1, 1]}})
+    em.sync_from_engine({"slo_attainment": {"chat": [3, 4]}, "finished_by_reason": {"stop": 4}})
+    em.sync_from_engine({"slo_attainment": {"chat": [5, 7], "batch": [1, 1]}, "finished_by_reason": {"stop": 8}})
+    em.sync_from_engine({"slo_attainment": {"chat": [5, 7], "batch": [1, 1]}, "finished_by_reason": {"stop": 8}})
     assert value(r, "specmoe:slo_requests_total", slo_class="chat", met="true") == 5
     assert value(r, "specmoe:slo_requests_total", slo_class="chat", met="false") == 2
     assert value(r, "specmoe:slo_requests_total", slo_class="batch", met="true") == 1
