@@ -79,6 +79,7 @@ class LLMEngine:
         self.slo = SLOPolicy(self.scheduler, self.controller)
         self.draft_length_counts = [0] * (MAX_SPECULATIVE_TOKENS + 1)  # decoding sequences by chosen k
         self.num_spec_off_steps = 0
+        self._last_catchup = 0  # tokens the drafter had to catch up on in this step's proposal
 
     def _build_controller(self, policy: SpeculativePolicy) -> SpeculationController:
         moe = self.target.config.moe
@@ -236,7 +237,8 @@ class LLMEngine:
                 self._k_for(seq, sched.speculate)
         base = sum(sched.chunks.values()) + len(sched.decodes)
         final = sum(1 for s in sched.prefills if sched.chunks[s.seq_id] == s.num_prompt_tokens_left)
-        decision = self.controller.plan(caps, base, final, fixed)
+        catchup = {s.seq_id: s.num_tokens - s.num_draft_seen for s in sched.decodes}
+        decision = self.controller.plan(caps, base, final, fixed, catchup)
         for k in decision.k.values():
             self.draft_length_counts[k] += 1
         if sched.decodes and not any(decision.k.values()):
@@ -254,6 +256,11 @@ class LLMEngine:
         ]
         if not reqs:
             return {}
+        self._last_catchup = 0
+        for seq in decodes:
+            if decision.k.get(seq.seq_id, 0) > 0:
+                self._last_catchup += seq.num_tokens - seq.num_draft_seen
+                seq.num_draft_seen = seq.num_tokens
         return {r.seq_id: p for r, p in zip(reqs, self.drafter.propose(reqs))}
 
     def _observe_costs(self, draft_s: float, target_s: float, drafts: dict[str, DraftProposal],
@@ -263,7 +270,8 @@ class LLMEngine:
         tokens = sum(sched.chunks.values()) + len(sched.decodes) + sum(lengths)
         meter = self.target.model.experts
         distinct = meter.take() if isinstance(meter, ActivationMeter) else None
-        self.controller.observe_step(draft_s, max(lengths, default=0), sum(lengths), target_s, tokens, distinct)
+        self.controller.observe_step(draft_s, max(lengths, default=0), sum(lengths), target_s, tokens, distinct,
+                                     self._last_catchup if drafts else 0)
 
     def _verify_and_emit(self, sched: SchedulerOutput, drafts) -> None:
         """One target forward over prefill chunks and decodes, then verification and emission.

@@ -27,6 +27,8 @@ class Sequence:
             step this is ``len(token_ids) - 1`` for a running sequence: the newest token is fed in
             the next step together with the draft tokens.
         slot: target KV cache slot while running, else None.
+        num_draft_seen: ``num_tokens`` when the drafter last drafted for this sequence (0: never);
+            what came since is the drafter's catch-up when it drafts again.
     """
 
     seq_id: str
@@ -40,6 +42,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None
     num_cached: int = 0
+    num_draft_seen: int = 0
     logprob_rows: list = field(default_factory=list)
 
     @property

@@ -4,7 +4,7 @@ For a step with decoding sequences ``s`` drafting ``k_s`` tokens, the expected e
 ``sum_s E_s(k_s)`` with ``E_s(k) = 1 + sum_{i<=k} prod_{j<=i} a_{s,j}`` (Leviathan et al. 2023,
 eq. 1 generalised to per-position acceptance ``a_{s,j}``), and the step time is
 
-    T = T_draft(passes = max k_s, drafted = sum k_s)
+    T = T_draft(passes = max k_s, drafted = sum k_s, catch-up = tokens the drafter must ingest first)
       + T_target(tokens = base + sum k_s, experts = distinct experts those tokens activate)
 
 with both parts learned online from measured steps (:mod:`engine.spec_cost`). The controller
@@ -47,6 +47,8 @@ class ControllerSettings:
         acceptance_prior: server-wide acceptance at position 0 before anything is observed.
         prior_weight: pseudo-observations of the server-wide estimate in a sequence's estimate.
         sequence_decay, global_decay: per-observation decay of acceptance counts.
+        calibration_rate: EMA weight of a step's measured / predicted time in the per-mode
+            calibration of predictions.
     """
 
     warmup_steps: int = 8
@@ -57,6 +59,7 @@ class ControllerSettings:
     prior_weight: float = 3.0
     sequence_decay: float = 0.9
     global_decay: float = 0.995
+    calibration_rate: float = 0.2
 
 
 @dataclass
@@ -107,18 +110,23 @@ class SpeculationController:
         self.max_k, self.policy = max_k, policy
         self.settings = settings or ControllerSettings()
         self.activation = activation or ExpertActivation(0, 0, 1)
-        self.draft_cost = OnlineLinearCost(3)  # [1, passes, drafted tokens]
+        # [1, passes, drafted tokens, catch-up tokens]: a sequence that has not drafted for a while
+        # (or ever: its prompt) costs the drafter a prefill of what it missed, a real cost of k > 0.
+        self.draft_cost = OnlineLinearCost(4, forgetting=0.9)
         self.target_cost = OnlineLinearCost(3)  # [1, target tokens, distinct experts]
         self._global = _Acceptance(max_k, self.settings.global_decay)
         self._seqs: dict[str, _Acceptance] = {}
         self._decode_steps = 0
         self._off_steps = 0
         self._on = True
+        # Measured / predicted step time, per mode (drafting or not): the regression fits the
+        # common mode best, so the rarer one (probes) may be biased; this corrects the comparison.
+        self.calibration = {False: 1.0, True: 1.0}
         self.last = Decision()
 
     # ------------------------------------------------------------------ decisions
     def plan(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int = 0,
-             fixed: dict[str, int] | None = None) -> Decision:
+             fixed: dict[str, int] | None = None, catchup: dict[str, int] | None = None) -> Decision:
         """Draft lengths for this step.
 
         Args:
@@ -130,6 +138,8 @@ class SpeculationController:
                 the random draws a step consumes depend on k, so a seed reproduces its output only
                 with a k schedule that does not depend on the batch); they draft their cap and are
                 counted in the step's cost.
+            catchup: per sequence, tokens the drafter has not seen yet (it ingests them before
+                drafting); missing entries count as 0.
         """
         fixed = fixed or {}
         if self.policy == "fixed" or self.max_k == 0 or not caps or not any(caps.values()):
@@ -142,7 +152,7 @@ class SpeculationController:
         elif not self._on and self._off_steps >= s.probe_interval_steps:
             decision = Decision({sid: min(c, s.probe_k) for sid, c in caps.items()}, "probe")
         else:
-            decision = self._optimise(caps, num_base_tokens, num_prefills, fixed)
+            decision = self._optimise(caps, num_base_tokens, num_prefills, fixed, catchup or {})
         drafted = sum(decision.k.values())
         decision.k.update(fixed)
         self._on = drafted > 0
@@ -160,7 +170,7 @@ class SpeculationController:
         return {sid: min(c, cycle[(t // 2 + stagger * i) % len(cycle)]) for i, (sid, c) in enumerate(caps.items())}
 
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
-                  fixed: dict[str, int]) -> Decision:
+                  fixed: dict[str, int], catchup: dict[str, int]) -> Decision:
         ids = list(caps)
         gains = self._gains(ids, caps)  # (B, max_k), zero beyond each cap
         flat = gains.ravel()
@@ -174,11 +184,15 @@ class SpeculationController:
         passes = np.concatenate(([0], np.maximum.accumulate(positions))) if len(order) else np.zeros(1)
         passes = np.maximum(passes, max(fixed.values(), default=0))
         drafted = n + sum(fixed.values())
+        # A sequence's catch-up is paid once its first position is in: at the entry of position 1.
+        first = np.where(positions == 1, [catchup.get(ids[r], 0) for r in order // self.max_k], 0)
+        caught = sum(catchup.get(sid, 0) for sid, k in fixed.items() if k) + np.concatenate(([0], np.cumsum(first)))
         tokens = num_base_tokens + drafted
         ones = np.ones(len(n))
-        draft_s = np.where(drafted > 0, self.draft_cost.predict(np.stack([ones, passes, drafted], 1)), 0.0)
+        draft_s = np.where(drafted > 0, self.draft_cost.predict(np.stack([ones, passes, drafted, caught], 1)), 0.0)
         target_s = self.target_cost.predict(np.stack([ones, tokens, self.activation.predict(tokens)], 1))
         step_s = np.maximum(draft_s + target_s, 1e-6)
+        step_s *= np.where(drafted > 0, self.calibration[True], self.calibration[False])
         rate = expected / step_s
         best = int(np.argmax(rate))
         best_on = int(np.argmax(rate[1:])) + 1 if len(n) > 1 else 0
@@ -198,8 +212,8 @@ class SpeculationController:
         any step was observed)."""
         tokens = np.asarray([float(num_target_tokens)])
         target = self.target_cost.predict(np.stack([[1.0], tokens, self.activation.predict(tokens)], 1))[0]
-        draft = self.draft_cost.predict(np.array([[1.0, passes, num_drafted]]))[0] if num_drafted else 0.0
-        return float(target + draft)
+        draft = self.draft_cost.predict(np.array([[1.0, passes, num_drafted, 0.0]]))[0] if num_drafted else 0.0
+        return float(target + draft) * self.calibration[num_drafted > 0]
 
     def acceptance(self, seq_id: str | None = None) -> np.ndarray:
         """Estimated acceptance per draft position ``(max_k,)`` in [0, 1]: the server-wide one, or
@@ -240,15 +254,21 @@ class SpeculationController:
         seq.observe(num_drafted, num_accepted)
 
     def observe_step(self, draft_s: float, passes: int, num_drafted: int, target_s: float,
-                     num_target_tokens: int, distinct_experts: int | None) -> None:
+                     num_target_tokens: int, distinct_experts: int | None, num_catchup: int = 0) -> None:
         """Measured costs of one step: the draft phase (0 s when nothing was drafted) and the
         target forward plus verification, with the distinct (layer, expert) pairs it activated."""
-        if num_drafted > 0:
-            self.draft_cost.observe([1.0, passes, num_drafted], draft_s)
-        if distinct_experts is not None:
-            self.activation.observe(num_target_tokens, distinct_experts)
         experts = float(self.activation.predict(np.asarray([num_target_tokens]))[0]) \
             if distinct_experts is None else float(distinct_experts)
+        predicted = float(self.target_cost.predict(np.array([[1.0, num_target_tokens, experts]]))[0])
+        if num_drafted > 0:
+            predicted += float(self.draft_cost.predict(np.array([[1.0, passes, num_drafted, num_catchup]]))[0])
+        if predicted > 0:  # before the models learn from this step: an honest out-of-sample ratio
+            mode, rate = num_drafted > 0, self.settings.calibration_rate
+            self.calibration[mode] += rate * (min((draft_s + target_s) / predicted, 10.0) - self.calibration[mode])
+        if num_drafted > 0:
+            self.draft_cost.observe([1.0, passes, num_drafted, num_catchup], draft_s)
+        if distinct_experts is not None:
+            self.activation.observe(num_target_tokens, distinct_experts)
         self.target_cost.observe([1.0, num_target_tokens, experts], target_s)
 
     def release(self, seq_id: str) -> None:

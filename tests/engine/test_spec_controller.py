@@ -12,8 +12,9 @@ class SyntheticStep:
     target = c0 + c_tok * tokens + c_exp * distinct experts (uniform top-k routing)."""
 
     def __init__(self, d0=0.0, d_pass=0.001, d_tok=0.0, c0=0.01, c_tok=0.0, c_exp=0.0,
-                 experts=(0, 0, 1)):
+                 experts=(0, 0, 1), interference_s=0.0):
         self.d = (d0, d_pass, d_tok)
+        self.interference_s = interference_s  # extra target time in steps that drafted (no feature has it)
         self.c = (c0, c_tok, c_exp)
         self.num_experts, self.layers, self.top_k = experts
 
@@ -33,6 +34,7 @@ class SyntheticStep:
             tokens = len(caps) + drafted
             distinct = self.distinct(tokens) if self.num_experts else None
             target_s = self.c[0] + self.c[1] * tokens + self.c[2] * (distinct or 0)
+            target_s += self.interference_s if drafted else 0.0
             controller.observe_step(draft_s, passes, drafted, target_s, tokens, distinct)
             for sid, k in decision.k.items():
                 accepted = 0
@@ -127,3 +129,26 @@ def test_expert_activation_learns_routing_skew():
         act.observe(16, 4)
     assert act.predict(np.array([16]))[0] == pytest.approx(4, abs=0.5)
     assert act.predict(np.array([1]))[0] < 2 * 8 * 0.25
+
+
+def test_a_cost_of_drafting_outside_the_features_still_turns_speculation_off():
+    """Drafting slows the target pass by 20 ms (e.g. a draft process contending for cores): with
+    a = 0.6, k = 4 brings 2.3 tokens in 32 ms against 1 token in 10 ms, so k = 0 is right."""
+    caps = {"a": 8}
+    plain = SyntheticStep(d_pass=0.0005, c0=0.01)
+    hurt = SyntheticStep(d_pass=0.0005, c0=0.01, interference_s=0.02)
+    assert sum(plain.run(controller(), caps, {"a": 0.6}, np.random.default_rng(7), 150).k.values()) > 0
+    decision = hurt.run(controller(), caps, {"a": 0.6}, np.random.default_rng(7), 150)
+    assert decision.k == {"a": 0} or decision.reason == "probe"
+
+
+def test_calibration_is_measured_over_predicted_time_per_mode():
+    ctl = controller()
+    for _ in range(40):  # off steps: 10 ms for 4 tokens; on steps: 30 ms for 4 tokens + 4 drafted
+        ctl.observe_step(0.0, 0, 0, 0.010, 4, None)
+        ctl.observe_step(0.004, 1, 4, 0.026, 4, None)
+    # The target model cannot tell the modes apart (same tokens): it predicts ~18 ms for both,
+    # so drafting steps run 30 / 22 = 1.36x their prediction and plain ones 10 / 18 = 0.55x.
+    assert ctl.calibration[True] == pytest.approx(30 / 22, rel=0.1)
+    assert ctl.calibration[False] == pytest.approx(10 / 18, rel=0.1)
+    assert ctl.predict_step_s(4) == pytest.approx(0.010, rel=0.15)
