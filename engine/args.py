@@ -29,6 +29,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         device: torch device string, e.g. "cpu" or "cuda".
         max_model_len: context window; None uses the target's ``max_position_embeddings``.
         ngram_min_n, ngram_max_n: n-gram sizes of the prompt-lookup drafter.
+        compile: run the target's and the draft model's per-layer dense parts (norms, projections,
+            RoPE) under ``torch.compile``; off by default (on this 2-core CPU it did not pay, see
+            docs/BENCHMARKS.md; needs a C++ compiler on CPU, Triton on CUDA).
         scheduler: batching limits.
     """
 
@@ -41,6 +44,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_model_len: int | None = None
     ngram_min_n: int = 1
     ngram_max_n: int = 4
+    compile: bool = False
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -63,7 +67,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.speculative_method == "draft":
             from engine.drafters.draft_model import DraftModelDrafter
 
-            draft = load_model(self.draft_model, self.dtype, self.device)
+            draft = load_model(self.draft_model, self.dtype, self.device, compile=self.compile)
             if draft.config.vocab_size != target.config.vocab_size:
                 raise ConfigError(f"draft_model: vocab size {draft.config.vocab_size} differs from the "
                                   f"target's {target.config.vocab_size} (they must share a tokenizer)")

@@ -226,7 +226,7 @@ class LLMEngine:
         num_logits = [1] * len(prefills) + [len(t) for t in new_tokens[len(prefills):]]
         for seq, start, toks in zip(seqs, starts, new_tokens):
             self.kv.reserve(seq.slot, start + len(toks))
-        batch = ForwardBatch.build([s.slot for s in seqs], new_tokens, starts, logits=num_logits)
+        batch = ForwardBatch.build([s.slot for s in seqs], new_tokens, starts, num_logits, self.target.model.device)
         with self.observer.phase(PHASE_TARGET):
             logits = self.target.model.forward(batch, self.kv)  # (sum(num_logits), vocab)
         with self.observer.phase(PHASE_VERIFY):

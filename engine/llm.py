@@ -17,7 +17,7 @@ from engine.scheduler import SchedulerConfig
 
 def build_engine(args: EngineArgs) -> LLMEngine:
     """Load the target (experts in-process) and the drafter ``args`` names."""
-    target = load_model(args.model, args.dtype, args.device)
+    target = load_model(args.model, args.dtype, args.device, compile=args.compile)
     max_len = args.max_model_len or target.config.max_position_embeddings
     drafter = args.build_drafter(target, max_len)
     return LLMEngine(target, drafter, args.num_speculative_tokens, args.scheduler, max_len)
@@ -28,8 +28,8 @@ class LLM:
 
     Args:
         model: target checkpoint directory.
-        draft_model, speculative_method, num_speculative_tokens, dtype, device, max_model_len: see
-            :class:`engine.args.EngineArgs`.
+        draft_model, speculative_method, num_speculative_tokens, dtype, device, max_model_len,
+            compile: see :class:`engine.args.EngineArgs`.
         max_num_seqs, max_num_batched_tokens, spec_disable_batch_size: scheduler limits.
 
     Example:
@@ -50,12 +50,13 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 4096,
         spec_disable_batch_size: int = 0,
+        compile: bool = False,
     ) -> None:
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_waiting=1 << 20, spec_disable_batch_size=spec_disable_batch_size)
         self.args = EngineArgs(model=model, draft_model=draft_model, speculative_method=speculative_method,
                                num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
-                               max_model_len=max_model_len, scheduler=sched)
+                               max_model_len=max_model_len, scheduler=sched, compile=compile)
         self.engine = build_engine(self.args)
         self.tokenizer = self.engine.target.tokenizer
         self._ids = itertools.count()

@@ -63,8 +63,11 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     experts: ExpertExecutor | None = None,
+    compile: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint; MoE experts run in-process unless another executor is given.
+
+    ``compile``: the layers' dense parts under ``torch.compile`` (see :class:`engine.model.Transformer`).
 
     Raises:
         CheckpointError / ConfigError: see :class:`CheckpointReader` and :func:`load_model_config`.
@@ -79,6 +82,6 @@ def load_model(
         store = ExpertStore(reader, config, dtype=torch_dtype, device=device)
         store.load_all()
         experts = LocalExpertExecutor(store)
-    model = Transformer(config, reader, experts, torch_dtype, device)
+    model = Transformer(config, reader, experts, torch_dtype, device, compile)
     tokenizer, template = load_tokenizer(path)
     return LoadedModel(path, config, model, tokenizer, reader, template)
