@@ -80,9 +80,12 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per specmoe config (median)")
     parser.add_argument("--compile", action="store_true", help="add plain decoding with compile=True")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch intra-op threads for both systems (1 on a machine shared with other jobs: "
+                             "two OpenMP threads stall whenever one is descheduled)")
     parser.add_argument("--save-result")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     llm_tok = LLM(TARGET).tokenizer
     prompts = [llm_tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in load_prompts(args.num_prompts)]
     rows = []
