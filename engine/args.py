@@ -30,8 +30,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_model_len: context window; None uses the target's ``max_position_embeddings``.
         ngram_min_n, ngram_max_n: n-gram sizes of the prompt-lookup drafter.
         compile: run the target's and the draft model's per-layer dense parts (norms, projections,
-            RoPE) under ``torch.compile``; off by default (on this 2-core CPU it did not pay, see
-            docs/BENCHMARKS.md; needs a C++ compiler on CPU, Triton on CUDA).
+            RoPE) under ``torch.compile``; off by default: with the bundled checkpoints on a 2-core
+            CPU it did not pay (docs/BENCHMARKS.md). Needs a C++ compiler on CPU, Triton on CUDA;
+            the first forward of each new shape class compiles (seconds).
         scheduler: batching limits.
     """
 

@@ -1,13 +1,17 @@
 """``compile=True`` (the layers' dense parts under torch.compile) computes what the eager model does."""
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from actors.config import ServeConfig
 from engine import LLM, SamplingParams
+from engine.errors import ConfigError
 from engine.loader import load_model
 from engine.model import ForwardBatch
 from engine.model.dense import DenseOps
 from engine.model.layers import Rotary
+from engine.yaml_config import load_yaml
 
 
 def test_compiled_dense_parts_equal_eager_with_bias_and_qk_norm():
@@ -51,3 +55,14 @@ def test_compiled_model_logits_and_greedy_tokens_equal_eager(tiny_checkpoints):
     want = [o.outputs[0].token_ids for o in LLM(str(path), max_num_seqs=3).generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in LLM(str(path), max_num_seqs=3, compile=True).generate(prompts, params)]
     assert got == want and all(len(t) == 12 for t in want)
+
+
+def test_server_config_passes_the_compile_switch_to_the_engine_args(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("model_name: m\nengine:\n  model: checkpoints/stdlib-moe-target\n")
+    assert load_yaml(path, ServeConfig).engine.compile is False  # off unless asked for
+    path.write_text("model_name: m\nengine:\n  model: checkpoints/stdlib-moe-target\n  compile: true\n")
+    assert load_yaml(path, ServeConfig).engine.compile is True
+    path.write_text("model_name: m\nengine:\n  model: checkpoints/stdlib-moe-target\n  compile: sometimes\n")
+    with pytest.raises(ConfigError, match=r"engine\.compile"):
+        load_yaml(path, ServeConfig)
