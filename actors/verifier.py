@@ -119,7 +119,8 @@ class VerifierServer:
         if self.pool:
             router = ExpertRouter(self.pool, resolve_dtype(e.dtype), RouterTelemetry(self.metrics, self.stragglers),
                                   graph=x.transport == "compiled_graph")
-        target = load_model(e.model, e.dtype, e.device, experts=router, skip_tokenizer_init=e.skip_tokenizer_init)
+        target = load_model(e.model, e.dtype, e.device, experts=router, skip_tokenizer_init=e.skip_tokenizer_init,
+                            compile=e.compile)
         if e.speculative_method == "draft":
             d = self.config.draft
             tracing = msgspec.to_builtins(self.config.tracing) if self.config.tracing else None

@@ -4,7 +4,8 @@
 
 Measures output tokens/s (greedy, ignore EOS so every configuration emits the same number of tokens)
 at batch 1 and 8 (median of ``--repeats`` runs for specmoe): specmoe with speculation off, with the draft model at k = 2, 4, 6, with the n-gram
-drafter at k = 4; and the same checkpoints under transformers ``generate`` plain and with
+drafter at k = 4 (``--compile``: also plain decoding with ``compile=True``, the layers' dense parts
+under torch.compile); and the same checkpoints under transformers ``generate`` plain and with
 ``assistant_model`` (its assisted generation, batch 1 only, as transformers supports). One process,
 one run, so every figure shares the machine's state.
 """
@@ -25,11 +26,12 @@ SPECMOE_CONFIGS = [("off", None, 0), ("draft", "draft", 2), ("draft", "draft", 4
                    ("ngram", "ngram", 4)]
 
 
-def bench_specmoe(prompts: list[list[int]], batch: int, method, k: int, max_tokens: int, repeats: int) -> dict:
+def bench_specmoe(prompts: list[list[int]], batch: int, method, k: int, max_tokens: int, repeats: int,
+                  compile: bool = False) -> dict:
     llm = LLM(TARGET, draft_model=DRAFT if method == "draft" else None, speculative_method=method,
-              num_speculative_tokens=k, max_num_seqs=batch, max_num_batched_tokens=16384)
+              num_speculative_tokens=k, max_num_seqs=batch, max_num_batched_tokens=16384, compile=compile)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:batch], params)  # warm-up
+    llm.generate(prompts[:batch], params)  # warm-up (compiles too: prefill and decode shapes)
     base = llm.get_metrics()
     times = []
     for _ in range(repeats):  # the median run: a 2-core machine has hiccups
@@ -77,16 +79,21 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per specmoe config (median)")
+    parser.add_argument("--compile", action="store_true", help="add plain decoding with compile=True")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch intra-op threads for both systems (1 on a machine shared with other jobs: "
+                             "two OpenMP threads stall whenever one is descheduled)")
     parser.add_argument("--save-result")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     llm_tok = LLM(TARGET).tokenizer
     prompts = [llm_tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in load_prompts(args.num_prompts)]
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        for name, method, k in SPECMOE_CONFIGS:
-            r = bench_specmoe(prompts, batch, method, k, args.max_tokens, args.repeats)
-            rows.append({"system": "specmoe", "batch": batch, "speculation": name, "k": k, **r})
+        configs = [(*c, False) for c in SPECMOE_CONFIGS] + ([("off", None, 0, True)] if args.compile else [])
+        for name, method, k, compiled in configs:
+            r = bench_specmoe(prompts, batch, method, k, args.max_tokens, args.repeats, compiled)
+            rows.append({"system": "specmoe", "batch": batch, "speculation": name, "k": k, "compile": compiled, **r})
             print_table(rows[-1:], list(rows[-1]))
         if not args.skip_transformers:
             for assisted in (False, True):
@@ -95,9 +102,34 @@ def main() -> None:
                     rows.append({"system": "transformers", "batch": batch,
                                  "speculation": "assistant_model" if assisted else "off", "k": None, **r})
     print()
-    print_table(rows, ["system", "batch", "speculation", "k", "tokens", "seconds", "tok_per_s",
+    print_table(rows, ["system", "batch", "speculation", "k", "compile", "tokens", "seconds", "tok_per_s",
                        "acceptance_rate", "mean_accept_len"])
+    for line in ratios(rows):
+        print(line)
     save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows})
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """The issue's must-show figures: plain specmoe / plain transformers per batch, and the best
+    draft-model configuration (the same model pair) / transformers' assisted generation."""
+
+    def tps(batch: int, system: str, pred) -> float | None:
+        return max((r["tok_per_s"] for r in rows if r["batch"] == batch and r["system"] == system and pred(r)),
+                   default=None)
+
+    lines = []
+    for batch in sorted({r["batch"] for r in rows}):
+        hf, hf_assisted = tps(batch, "transformers", lambda r: r["speculation"] == "off"), \
+            tps(batch, "transformers", lambda r: r["speculation"] == "assistant_model")
+        for compiled in (False, True):
+            plain = tps(batch, "specmoe", lambda r, c=compiled: r["speculation"] == "off" and r["compile"] == c)
+            if plain and hf:
+                lines.append(f"batch {batch}: specmoe plain{' (compiled)' if compiled else ''} / transformers "
+                             f"generate = {plain / hf:.2f}x")
+        spec = tps(batch, "specmoe", lambda r: r["speculation"] == "draft")
+        if spec and hf_assisted:
+            lines.append(f"batch {batch}: best draft-model k specmoe / transformers assisted = {spec / hf_assisted:.2f}x")
+    return lines
 
 
 if __name__ == "__main__":

@@ -37,6 +37,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         skip_tokenizer_init: load no tokenizer (the checkpoint may lack ``tokenizer.json``):
             prompts must be token ids, outputs are token ids with empty text, and stop strings are
             refused (vLLM's option). Draft models never load one.
+        compile: run the target's and the draft model's per-layer dense parts (norms, projections,
+            RoPE) under ``torch.compile``; off by default: with the bundled checkpoints on a 2-core
+            CPU it did not pay (docs/BENCHMARKS.md). Needs a C++ compiler on CPU, Triton on CUDA;
+            the first forward of each new shape class compiles (seconds).
         scheduler: batching limits.
     """
 
@@ -51,6 +55,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ngram_min_n: int = 1
     ngram_max_n: int = 4
     skip_tokenizer_init: bool = False
+    compile: bool = False
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -73,7 +78,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.speculative_method == "draft":
             from engine.drafters.draft_model import DraftModelDrafter
 
-            draft = load_model(self.draft_model, self.dtype, self.device, skip_tokenizer_init=True)
+            draft = load_model(self.draft_model, self.dtype, self.device, skip_tokenizer_init=True,
+                               compile=self.compile)
             if draft.config.vocab_size != target.config.vocab_size:
                 raise ConfigError(f"draft_model: vocab size {draft.config.vocab_size} differs from the "
                                   f"target's {target.config.vocab_size} (they must share a tokenizer)")

@@ -290,7 +290,7 @@ class LLMEngine:
         for seq, start, toks in zip(partial + prefills + decodes, starts, new_tokens):
             self.kv.reserve(seq.slot, start + len(toks))
         batch = ForwardBatch.build([s.slot for s in partial + prefills + decodes], new_tokens, starts,
-                                   logits=num_logits)
+                                   num_logits, self.target.model.device)
         with self.observer.phase(PHASE_TARGET):
             logits = self.target.model.forward(batch, self.kv)  # (sum(num_logits), vocab)
         for seq, toks in zip(partial, chunks):

@@ -18,7 +18,8 @@ from engine.scheduler import SchedulerConfig
 
 def build_engine(args: EngineArgs) -> LLMEngine:
     """Load the target (experts in-process) and the drafter ``args`` names."""
-    target = load_model(args.model, args.dtype, args.device, skip_tokenizer_init=args.skip_tokenizer_init)
+    target = load_model(args.model, args.dtype, args.device, skip_tokenizer_init=args.skip_tokenizer_init,
+                        compile=args.compile)
     max_len = args.max_model_len or target.config.max_position_embeddings
     drafter = args.build_drafter(target, max_len)
     return LLMEngine(target, drafter, args.num_speculative_tokens, args.scheduler, max_len,
@@ -31,8 +32,7 @@ class LLM:
     Args:
         model: target checkpoint directory.
         draft_model, speculative_method, num_speculative_tokens, speculative_policy, dtype, device,
-            max_model_len: see
-            :class:`engine.args.EngineArgs`.
+            max_model_len, compile: see :class:`engine.args.EngineArgs`.
         max_num_seqs, max_num_batched_tokens, spec_disable_batch_size, enable_chunked_prefill:
             scheduler settings (:class:`engine.scheduler.SchedulerConfig`).
         skip_tokenizer_init: load no tokenizer; ``generate`` then takes token-id prompts only and
@@ -59,6 +59,7 @@ class LLM:
         spec_disable_batch_size: int = 0,
         enable_chunked_prefill: bool = True,
         skip_tokenizer_init: bool = False,
+        compile: bool = False,
     ) -> None:
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_waiting=1 << 20, spec_disable_batch_size=spec_disable_batch_size,
@@ -67,7 +68,7 @@ class LLM:
                                num_speculative_tokens=num_speculative_tokens,
                                speculative_policy=speculative_policy, dtype=dtype, device=device,
                                max_model_len=max_model_len, skip_tokenizer_init=skip_tokenizer_init,
-                               scheduler=sched)
+                               scheduler=sched, compile=compile)
         self.engine = build_engine(self.args)
         self.tokenizer = self.engine.target.tokenizer
         self._ids = itertools.count()

@@ -64,12 +64,14 @@ def load_model(
     device: str = "cpu",
     experts: ExpertExecutor | None = None,
     skip_tokenizer_init: bool = False,
+    compile: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint; MoE experts run in-process unless another executor is given.
 
     Args:
         skip_tokenizer_init: load no tokenizer (``tokenizer.json`` may be absent): the model then
             takes token-id prompts and produces token ids with empty text (vLLM's option).
+        compile: the layers' dense parts under ``torch.compile`` (see :class:`engine.model.Transformer`).
 
     Raises:
         CheckpointError / ConfigError: see :class:`CheckpointReader` and :func:`load_model_config`.
@@ -84,6 +86,6 @@ def load_model(
         store = ExpertStore(reader, config, dtype=torch_dtype, device=device)
         store.load_all()
         experts = LocalExpertExecutor(store)
-    model = Transformer(config, reader, experts, torch_dtype, device)
+    model = Transformer(config, reader, experts, torch_dtype, device, compile)
     tokenizer, template = (None, None) if skip_tokenizer_init else load_tokenizer(path)
     return LoadedModel(path, config, model, tokenizer, reader, template)

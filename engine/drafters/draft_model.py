@@ -85,7 +85,7 @@ class DraftModelDrafter:
             for b in active:
                 self.kv.reserve(slots[b], starts[b] + len(feeds[b]))
             batch = ForwardBatch.build([slots[b] for b in active], [feeds[b] for b in active],
-                                       [starts[b] for b in active])
+                                       [starts[b] for b in active], device=self.draft.model.device)
             logits = self.draft.model.forward(batch, self.kv)  # (len(active), vocab)
             for row, b in enumerate(active):
                 token, q = self._sample(requests[b], logits[row])

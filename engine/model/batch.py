@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -64,35 +65,23 @@ class ForwardBatch:
         if any(len(t) == 0 for t in new_tokens):
             raise ValueError("every sequence in a forward batch needs at least one new token")
         query_lens = [len(t) for t in new_tokens]
-        flat = [tok for toks in new_tokens for tok in toks]
-        positions = [s + i for s, n in zip(start_positions, query_lens) for i in range(n)]
-        token_seq = [b for b, n in enumerate(query_lens) for _ in range(n)]
-        token_qidx = [i for n in query_lens for i in range(n)]
         if logits == "last":
             logits = [1] * len(query_lens)
         elif logits == "all":
             logits = query_lens
         elif isinstance(logits, str) or len(logits) != len(query_lens):
             raise ValueError(f"logits must be 'last', 'all' or one count per sequence, got {logits!r}")
-        ends = torch.tensor(query_lens).cumsum(0).tolist()
-        logits_indices = torch.tensor(
-            [i for end, n, q in zip(ends, logits, query_lens) if 1 <= n <= q for i in range(end - n, end)]
-        )
-        if len(logits_indices) != sum(logits):
+        if not all(1 <= n <= q for n, q in zip(logits, query_lens)):
             raise ValueError(f"logit counts {logits} must be in [1, query length] per sequence")
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
-        return cls(
-            input_ids=t(flat),
-            positions=t(positions),
-            slots=t(slots),
-            query_lens=query_lens,
-            seq_lens=[s + n for s, n in zip(start_positions, query_lens)],
-            token_seq=t(token_seq),
-            token_qidx=t(token_qidx),
-            logits_indices=logits_indices.to(device),
-            slot_range=(slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots)))
-            else None,
-        )
+        flat = [tok for toks in new_tokens for tok in toks]
+        positions = [s + i for s, n in zip(start_positions, query_lens) for i in range(n)]
+        token_seq = [b for b, n in enumerate(query_lens) for _ in range(n)]
+        token_qidx = [i for n in query_lens for i in range(n)]
+        logits_indices = [i for end, n in zip(itertools.accumulate(query_lens), logits) for i in range(end - n, end)]
+        # One host tensor and one copy to the device for all the metadata; the fields are views.
+        parts = (flat, positions, slots, token_seq, token_qidx, logits_indices)
+        host = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+        fields = host.to(device).split([len(part) for part in parts])
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        return cls(*fields[:3], query_lens, [s + n for s, n in zip(start_positions, query_lens)], *fields[3:],
+                   slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None)

@@ -22,24 +22,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """Rotary position embedding (Su et al. 2021, RoFormer eq. 34), half-split layout as in HF."""
+    """Rotary position embedding (Su et al. 2021, RoFormer eq. 34), half-split layout as in HF.
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device | str = "cpu") -> None:
+    cos/sin are tables over positions, computed once (and grown by doubling when a longer sequence
+    comes), so a forward only indexes them. The sine table carries ``rotate_half``'s sign: its first
+    half is negated, so :func:`apply_rotary` needs no negation or concatenation per layer.
+    """
+
+    def __init__(self, head_dim: int, theta: float, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
         self.inv_freq = 1.0 / (theta**exponent)  # (head_dim / 2,)
+        self.dtype = dtype
+        self._cos = self._sin = torch.empty(0, head_dim, dtype=dtype, device=device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions``: ``(num_tokens,)`` -> cos, sin: ``(num_tokens, 1, head_dim)``."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+    def cos_sin(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of ``positions`` ``(num_tokens,)`` int64, each ``< max_len`` (a host
+        int, so growing the tables needs no device sync) -> two ``(num_tokens, 1, head_dim)``."""
+        if max_len > self._cos.shape[0]:
+            self._grow(max(max_len, 2 * self._cos.shape[0]))
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
+    def _grow(self, length: int) -> None:
+        # Float32 angles as HF computes them (position * inv_freq), cast to the model dtype after.
+        positions = torch.arange(length, dtype=torch.int64, device=self.inv_freq.device).float()
+        freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        half = freqs.shape[-1]
+        self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self._sin[:, :half].neg_()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: ``(num_tokens, num_heads, head_dim)``; cos/sin from :meth:`Rotary.cos_sin`."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """``x``: ``(num_tokens, num_heads, head_dim)``; cos/sin from :meth:`Rotary.cos_sin`.
+
+    ``roll`` swaps the halves; the signed sine turns that into HF's ``rotate_half(x) * sin``
+    bit for bit (``(-a) * b == a * (-b)`` exactly).
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 @dataclass
@@ -49,34 +69,59 @@ class AttentionPlan:
     Attributes:
         token_slots: ``(num_tokens,)`` int64 KV slot of each new token.
         mask: ``(num_seqs, 1, max_q, max_kv)`` bool, True where a query may attend (causal by
-            absolute position, and the sliding window if any).
+            absolute position, and the sliding window if any); None when no key needs hiding
+            (see ``causal``).
+        causal: with ``mask`` None, whether SDPA's own causal mask applies (one sequence prefilled
+            from position 0: queries and keys are the same positions) or every query sees every key
+            (decoding sequences that all have ``max_kv`` tokens).
         slot_rows: a ``slice`` when the batch has a ``slot_range`` (the cache rows are then a view,
             not a gathered copy), else the ``(num_seqs,)`` slot tensor.
         max_q, max_kv: longest new-token run and longest sequence after this pass.
+        uniform: every sequence appends ``max_q`` tokens (decoding, or verifying equal drafts): the
+            queries are a view of the flat tokens, not a padded copy.
     """
 
     token_slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
     slot_rows: slice | torch.Tensor
     max_q: int
     max_kv: int
+    uniform: bool
 
 
 def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> AttentionPlan:
-    """The :class:`AttentionPlan` of ``batch`` (on the batch tensors' device)."""
-    device = batch.positions.device
+    """The :class:`AttentionPlan` of ``batch`` (on the batch tensors' device); every decision on
+    the host, from the batch's lengths."""
     num_seqs, max_q, max_kv = batch.num_seqs, max(batch.query_lens), max(batch.seq_lens)
-    # Padding rows get position 0 so their softmax has one valid key; their output is discarded.
-    q_pos = torch.zeros(num_seqs, max_q, dtype=torch.int64, device=device)
-    q_pos[batch.token_seq, batch.token_qidx] = batch.positions
+    uniform = min(batch.query_lens) == max_q
+    slot_rows = slice(*batch.slot_range) if batch.slot_range is not None else batch.slots
+    token_slots = batch.slots if max_q == 1 else batch.slots[batch.token_seq]
+    windowed = sliding_window is not None and sliding_window < max_kv
+    if not windowed and max_q == 1 and min(batch.seq_lens) == max_kv:
+        return AttentionPlan(token_slots, None, False, slot_rows, max_q, max_kv, uniform)
+    if not windowed and num_seqs == 1 and max_q == max_kv:
+        return AttentionPlan(token_slots, None, True, slot_rows, max_q, max_kv, uniform)
+    return AttentionPlan(token_slots, _mask(batch, max_q, max_kv, uniform, sliding_window), False, slot_rows,
+                         max_q, max_kv, uniform)
+
+
+def _mask(batch: ForwardBatch, max_q: int, max_kv: int, uniform: bool, sliding_window: int | None) -> torch.Tensor:
+    """``(num_seqs, 1, max_q, max_kv)`` bool attention mask by absolute position."""
+    device = batch.positions.device
+    if uniform:
+        q_pos = batch.positions.view(batch.num_seqs, max_q)
+    else:
+        # Padding rows get position 0 so their softmax has one valid key; their output is discarded.
+        q_pos = torch.zeros(batch.num_seqs, max_q, dtype=torch.int64, device=device)
+        q_pos[batch.token_seq, batch.token_qidx] = batch.positions
     key_pos = torch.arange(max_kv, device=device)
     # Causal by absolute position: also hides stale entries past a rolled-back length, because
     # every position <= a query's position was written in this pass or an earlier kept one.
     mask = key_pos[None, None, :] <= q_pos[:, :, None]
     if sliding_window is not None:
         mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    slot_rows = slice(*batch.slot_range) if batch.slot_range is not None else batch.slots
-    return AttentionPlan(batch.slots[batch.token_seq], mask[:, None], slot_rows, max_q, max_kv)
+    return mask[:, None]
 
 
 def attention(
@@ -102,11 +147,14 @@ def attention(
     """
     k_cache[plan.token_slots, :, batch.positions] = k
     v_cache[plan.token_slots, :, batch.positions] = v
-    q_pad = q.new_zeros(batch.num_seqs, plan.max_q, q.shape[1], q.shape[2])
-    q_pad[batch.token_seq, batch.token_qidx] = q
+    if plan.uniform:
+        q_pad = q.view(batch.num_seqs, plan.max_q, q.shape[1], q.shape[2])
+    else:
+        q_pad = q.new_zeros(batch.num_seqs, plan.max_q, q.shape[1], q.shape[2])
+        q_pad[batch.token_seq, batch.token_qidx] = q
     keys = k_cache[plan.slot_rows, :, :plan.max_kv]
     values = v_cache[plan.slot_rows, :, :plan.max_kv]
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=plan.mask, enable_gqa=keys.shape[1] != q.shape[1]
-    )
-    return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=plan.mask,
+                                         is_causal=plan.causal, enable_gqa=keys.shape[1] != q.shape[1])
+    out = out.transpose(1, 2)
+    return out.reshape(q.shape) if plan.uniform else out[batch.token_seq, batch.token_qidx]

@@ -16,7 +16,8 @@ from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
-from engine.model.layers import AttentionPlan, Rotary, apply_rotary, attention, plan_attention, rms_norm
+from engine.model.dense import DenseOps
+from engine.model.layers import Rotary, attention, plan_attention, rms_norm
 from engine.model.moe import ExpertExecutor
 from engine.model.names import layer_prefix, mlp_names, moe_prefix, router_name
 from kernels.expert_ffn import swiglu
@@ -25,16 +26,12 @@ from kernels.routing import topk_routing
 
 @dataclass
 class _Attention:
-    wq: torch.Tensor  # (num_heads * head_dim, hidden)
-    wk: torch.Tensor  # (num_kv_heads * head_dim, hidden)
-    wv: torch.Tensor  # (num_kv_heads * head_dim, hidden)
+    # q, k and v projections stacked into one matrix: one GEMM per layer instead of three.
+    wqkv: torch.Tensor  # ((num_heads + 2 * num_kv_heads) * head_dim, hidden)
     wo: torch.Tensor  # (hidden, num_heads * head_dim)
-    bq: torch.Tensor | None = None
-    bk: torch.Tensor | None = None
-    bv: torch.Tensor | None = None
+    bqkv: torch.Tensor | None = None  # ((num_heads + 2 * num_kv_heads) * head_dim,)
     bo: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # (head_dim,) Qwen3
-    k_norm: torch.Tensor | None = None
+    qk_norm: torch.Tensor | None = None  # (num_heads + num_kv_heads, head_dim) Qwen3: q_norm rows, then k_norm
 
 
 @dataclass
@@ -56,6 +53,8 @@ class Transformer:
         reader: checkpoint; routed expert weights are NOT read here (they belong to the executor).
         experts: executor for MoE layers (required for MoE configs).
         dtype, device: parameter and activation dtype/device.
+        compile: run each layer's dense parts under ``torch.compile`` (:class:`DenseOps`); attention
+            over the KV cache and the MoE dispatch stay eager.
 
     Raises:
         CheckpointError: a missing tensor or a shape mismatch (names the tensor).
@@ -68,6 +67,7 @@ class Transformer:
         experts: ExpertExecutor | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        compile: bool = False,
     ) -> None:
         if config.is_moe and experts is None:
             raise ValueError(f"{config.architecture} is an MoE model: pass an ExpertExecutor")
@@ -78,7 +78,8 @@ class Transformer:
         self.norm = load("model.norm.weight", (c.hidden_size,))
         self.lm_head = self.embed if c.tie_word_embeddings else load("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.layers = [self._load_layer(load, i) for i in range(c.num_layers)]
-        self.rotary = Rotary(c.head_dim, c.rope_theta, device)
+        self.dense = DenseOps(compile)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, dtype, device)
 
     def _load_layer(self, load: _Loader, i: int) -> _Layer:
         c, p = self.config, layer_prefix(i)
@@ -86,17 +87,14 @@ class Transformer:
         a = p + "self_attn."
         # Llama/Qwen3 put attention_bias on o_proj too; Qwen2 biases only q/k/v.
         o_bias = c.attention_bias and c.architecture != "Qwen2MoeForCausalLM"
+        outs = {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}
         attn = _Attention(
-            wq=load(a + "q_proj.weight", (q_out, c.hidden_size)),
-            wk=load(a + "k_proj.weight", (kv_out, c.hidden_size)),
-            wv=load(a + "v_proj.weight", (kv_out, c.hidden_size)),
+            wqkv=torch.cat([load(f"{a}{n}.weight", (o, c.hidden_size)) for n, o in outs.items()]),
             wo=load(a + "o_proj.weight", (c.hidden_size, q_out)),
-            bq=load(a + "q_proj.bias", (q_out,)) if c.attention_bias else None,
-            bk=load(a + "k_proj.bias", (kv_out,)) if c.attention_bias else None,
-            bv=load(a + "v_proj.bias", (kv_out,)) if c.attention_bias else None,
+            bqkv=torch.cat([load(f"{a}{n}.bias", (o,)) for n, o in outs.items()]) if c.attention_bias else None,
             bo=load(a + "o_proj.bias", (c.hidden_size,)) if o_bias else None,
-            q_norm=load(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-            k_norm=load(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+            qk_norm=torch.stack([load(a + "q_norm.weight", (c.head_dim,))] * c.num_heads
+                                + [load(a + "k_norm.weight", (c.head_dim,))] * c.num_kv_heads) if c.qk_norm else None,
         )
         layer = _Layer(attn, load(p + "input_layernorm.weight", (c.hidden_size,)),
                        load(p + "post_attention_layernorm.weight", (c.hidden_size,)))
@@ -124,28 +122,18 @@ class Transformer:
             ``(len(batch.logits_indices), vocab_size)`` float32 logits of the selected rows.
         """
         x = F.embedding(batch.input_ids, self.embed)  # (num_tokens, hidden)
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
         plan = plan_attention(batch, self.config.sliding_window)  # the same for every layer
+        cos, sin = self.rotary.cos_sin(batch.positions, plan.max_kv)
+        c, dense = self.config, self.dense
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, self.config.rms_norm_eps)
-            x = x + self._attention(layer.attn, h, cos, sin, kv.k[i], kv.v[i], batch, plan)
-            h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
+            a = layer.attn
+            q, k, v = dense.attention_inputs(x, layer.input_norm, a.wqkv, a.bqkv, a.qk_norm, cos, sin,
+                                             c.rms_norm_eps, c.num_heads, c.num_kv_heads)
+            out = attention(q, k, v, kv.k[i], kv.v[i], batch, plan)
+            x, h = dense.attention_output(out, x, a.wo, a.bo, layer.post_attn_norm, c.rms_norm_eps)
             x = x + self._mlp(i, layer, h)
         x = rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
-
-    def _attention(self, a: _Attention, h, cos, sin, k_cache, v_cache, batch: ForwardBatch,
-                   plan: AttentionPlan) -> torch.Tensor:
-        c, n = self.config, h.shape[0]
-        q = F.linear(h, a.wq, a.bq).view(n, c.num_heads, c.head_dim)
-        k = F.linear(h, a.wk, a.bk).view(n, c.num_kv_heads, c.head_dim)
-        v = F.linear(h, a.wv, a.bv).view(n, c.num_kv_heads, c.head_dim)
-        if a.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            q = rms_norm(q, a.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, a.k_norm, c.rms_norm_eps)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, k_cache, v_cache, batch, plan)
-        return F.linear(out.reshape(n, c.num_heads * c.head_dim), a.wo, a.bo)
 
     def _mlp(self, i: int, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         if layer.router is None:

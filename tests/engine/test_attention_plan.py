@@ -1,0 +1,45 @@
+"""The attention plan's shortcuts (no mask, SDPA's causal mask, queries as a view) change nothing:
+each batch shape gives what the general path (padded queries, explicit position mask) gives."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.model import ForwardBatch
+from engine.model.layers import _mask, attention, plan_attention
+
+HEADS, KV_HEADS, DIM, MAX_LEN = 4, 2, 8, 32
+
+CASES = {  # name: (slots, new-token counts, start positions, sliding window, expected plan shortcut)
+    "prefill_one_from_zero": ([0], [6], [0], None, "causal"),
+    "decode_equal_lengths": ([0, 1, 2], [1, 1, 1], [9, 9, 9], None, "no_mask"),
+    "decode_ragged_lengths": ([2, 0], [1, 1], [4, 11], None, "mask"),
+    "verify_equal_drafts": ([1, 2], [3, 3], [5, 8], None, "mask"),
+    "ragged_prefill_and_verify": ([0, 2], [5, 2], [0, 7], None, "mask"),
+    "decode_inside_window": ([0, 1], [1, 1], [9, 9], 4, "mask"),
+    "decode_window_covers_all": ([0, 1], [1, 1], [9, 9], 16, "no_mask"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_shortcuts_equal_the_general_masked_path(name):
+    slots, counts, starts, window, shortcut = CASES[name]
+    g = torch.Generator().manual_seed(len(name))
+    batch = ForwardBatch.build(slots, [[1] * n for n in counts], starts, logits="all")
+    n = sum(counts)
+    q, k, v = (torch.randn(n, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
+    cache = torch.randn(2, 3, KV_HEADS, MAX_LEN, DIM, generator=g)
+
+    plan = plan_attention(batch, window)
+    kind = "causal" if plan.causal else "no_mask" if plan.mask is None else "mask"
+    assert kind == shortcut
+    assert plan.uniform == (min(counts) == max(counts))
+    general = dataclasses.replace(plan, uniform=False, causal=False,
+                                  mask=_mask(batch, plan.max_q, plan.max_kv, False, window))
+    fast_cache, general_cache = cache.clone(), cache.clone()
+    fast = attention(q, k, v, fast_cache[0], fast_cache[1], batch, plan)
+    want = attention(q, k, v, general_cache[0], general_cache[1], batch, general)
+    assert fast.shape == (n, HEADS, DIM)
+    torch.testing.assert_close(fast, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fast_cache, general_cache)  # the same keys and values written
