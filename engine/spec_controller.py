@@ -15,8 +15,9 @@ at once (vectorised) and the best wins, ``n = 0`` included: then nothing is draf
 Acceptance: per sequence and position, exponentially decayed counts shrunk toward a server-wide
 estimate, which is itself shrunk toward the position before it (deep positions inherit shallow
 ones until they are observed). Hysteresis keeps speculation on or off unless the other choice is
-``hysteresis`` better; a warm-up cycles k to make the cost model identifiable; a probe leaves
-k = 0 every ``probe_interval_steps`` so estimates never go stale.
+``hysteresis`` better; a warm-up cycles k to make the cost model identifiable, and every
+``probe_interval_steps`` one probe step drafts another length (2, max, 0, max / 2 in turn), so the
+estimates cover the whole range and never go stale (speculation off included).
 
 Only draft *lengths* change, never how tokens are verified, so output stays lossless.
 """
@@ -40,9 +41,9 @@ class ControllerSettings:
     Attributes:
         warmup_steps: decode steps that cycle k through ``max, 1, max / 2, 0`` before adapting
             (:meth:`SpeculationController._warmup_k`).
-        probe_interval_steps: after this many steps with speculation off, one step drafts
-            ``probe_k`` tokens per sequence to refresh acceptance and draft-cost estimates.
-        probe_k: draft length of a probe step.
+        probe_interval_steps: every this many decode steps, one probe step drafts the next length
+            of ``(2, max, 0, max / 2)`` per sequence (its cap permitting) to refresh acceptance and
+            cost estimates where the controller's own choices give no data.
         hysteresis: relative rate gain needed to switch speculation on or off.
         acceptance_prior: server-wide acceptance at position 0 before anything is observed.
         prior_weight: pseudo-observations of the server-wide estimate in a sequence's estimate.
@@ -53,7 +54,6 @@ class ControllerSettings:
 
     warmup_steps: int = 8
     probe_interval_steps: int = 16
-    probe_k: int = 2
     hysteresis: float = 0.05
     acceptance_prior: float = 0.6
     prior_weight: float = 3.0
@@ -112,12 +112,12 @@ class SpeculationController:
         self.activation = activation or ExpertActivation(0, 0, 1)
         # [1, passes, drafted tokens, catch-up tokens]: a sequence that has not drafted for a while
         # (or ever: its prompt) costs the drafter a prefill of what it missed, a real cost of k > 0.
-        self.draft_cost = OnlineLinearCost(4, forgetting=0.9)
+        self.draft_cost = OnlineLinearCost(4, forgetting=0.95)
         self.target_cost = OnlineLinearCost(3)  # [1, target tokens, distinct experts]
         self._global = _Acceptance(max_k, self.settings.global_decay)
         self._seqs: dict[str, _Acceptance] = {}
         self._decode_steps = 0
-        self._off_steps = 0
+        self._num_probes = 0
         self._on = True
         # Measured / predicted step time, per mode (drafting or not): the regression fits the
         # common mode best, so the rarer one (probes) may be biased; this corrects the comparison.
@@ -149,14 +149,15 @@ class SpeculationController:
         s = self.settings
         if self._decode_steps <= s.warmup_steps:
             decision = Decision(self._warmup_k(caps), "warmup")
-        elif not self._on and self._off_steps >= s.probe_interval_steps:
-            decision = Decision({sid: min(c, s.probe_k) for sid, c in caps.items()}, "probe")
+        elif (self._decode_steps - s.warmup_steps) % s.probe_interval_steps == 0:
+            probe_ks = (2, self.max_k, 0, max(1, self.max_k // 2))
+            k = probe_ks[self._num_probes % len(probe_ks)]
+            self._num_probes += 1
+            decision = Decision({sid: min(c, k) for sid, c in caps.items()}, "probe")
         else:
             decision = self._optimise(caps, num_base_tokens, num_prefills, fixed, catchup or {})
-        drafted = sum(decision.k.values())
+            self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
         decision.k.update(fixed)
-        self._on = drafted > 0
-        self._off_steps = 0 if self._on else self._off_steps + 1
         self.last = decision
         return decision
 
