@@ -238,7 +238,8 @@ class LLMEngine:
         base = sum(sched.chunks.values()) + len(sched.decodes)
         final = sum(1 for s in sched.prefills if sched.chunks[s.seq_id] == s.num_prompt_tokens_left)
         catchup = {s.seq_id: s.num_tokens - s.num_draft_seen for s in sched.decodes}
-        decision = self.controller.plan(caps, base, final, fixed, catchup)
+        remaining = {s.seq_id: s.params.max_tokens - s.num_output_tokens for s in sched.decodes}
+        decision = self.controller.plan(caps, base, final, fixed, catchup, remaining)
         for k in decision.k.values():
             self.draft_length_counts[k] += 1
         if sched.decodes and not any(decision.k.values()):

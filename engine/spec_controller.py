@@ -126,7 +126,8 @@ class SpeculationController:
 
     # ------------------------------------------------------------------ decisions
     def plan(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int = 0,
-             fixed: dict[str, int] | None = None, catchup: dict[str, int] | None = None) -> Decision:
+             fixed: dict[str, int] | None = None, catchup: dict[str, int] | None = None,
+             remaining: dict[str, int] | None = None) -> Decision:
         """Draft lengths for this step.
 
         Args:
@@ -140,6 +141,9 @@ class SpeculationController:
                 counted in the step's cost.
             catchup: per sequence, tokens the drafter has not seen yet (it ingests them before
                 drafting); missing entries count as 0.
+            remaining: per sequence, output tokens it may still produce. A catch-up backlog (a
+                prompt, a long k = 0 phase) is paid once but pays off over every remaining step, so
+                beyond one step's worth of tokens it is charged ``E[tokens] / remaining`` a step.
         """
         fixed = fixed or {}
         if self.policy == "fixed" or self.max_k == 0 or not caps or not any(caps.values()):
@@ -155,7 +159,8 @@ class SpeculationController:
             self._num_probes += 1
             decision = Decision({sid: min(c, k) for sid, c in caps.items()}, "probe")
         else:
-            decision = self._optimise(caps, num_base_tokens, num_prefills, fixed, catchup or {})
+            decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
+                                      self._amortised(caps, catchup or {}, remaining or {}))
             self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
         decision.k.update(fixed)
         self.last = decision
@@ -170,8 +175,24 @@ class SpeculationController:
         stagger = t % 2
         return {sid: min(c, cycle[(t // 2 + stagger * i) % len(cycle)]) for i, (sid, c) in enumerate(caps.items())}
 
+    def _amortised(self, caps: dict[str, int], catchup: dict[str, int],
+                   remaining: dict[str, int]) -> dict[str, float]:
+        """Catch-up tokens charged to this step: one step's worth in full, the backlog spread
+        over the steps it will pay off in."""
+        out = {}
+        for sid in caps:
+            c = catchup.get(sid, 0)
+            if not c:
+                continue
+            per_step = 1.0 + float(np.cumprod(self.acceptance(sid))[: max(caps[sid], 1)].sum())
+            backlog = max(0.0, c - per_step)
+            left = remaining.get(sid)
+            share = 1.0 if left is None else min(1.0, per_step / max(left, 1))
+            out[sid] = min(c, per_step) + backlog * share
+        return out
+
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
-                  fixed: dict[str, int], catchup: dict[str, int]) -> Decision:
+                  fixed: dict[str, int], catchup: dict[str, float]) -> Decision:
         ids = list(caps)
         gains = self._gains(ids, caps)  # (B, max_k), zero beyond each cap
         flat = gains.ravel()
