@@ -20,12 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import DRAFT, TARGET, load_prompts, machine, print_table, save_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.slo import SLOClass  # noqa: E402
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -85,6 +87,8 @@ def main() -> None:
     parser.add_argument("--long-prompt-tokens", type=int, default=900)
     parser.add_argument("--budgets", default="64,128,256", help="chunked-prefill token budgets to compare")
     parser.add_argument("--num-speculative-tokens", type=int, default=6)
+    parser.add_argument("--tpot-ms", default="", help="also run chunked prefill sized by these TPOT budgets "
+                        "(comma-separated ms; an SLO class every request is in) at the 4096-token budget")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -95,11 +99,16 @@ def main() -> None:
     joined = [t for r in rows[32:] for t in r]
     n = args.long_prompt_tokens
     longs = [joined[i * n:(i + 1) * n] for i in range(min(8, len(joined) // n))]
-    configs = [("fcfs", 4096, False)] + [(f"chunked-{b}", int(b), True) for b in args.budgets.split(",")]
+    configs = [("fcfs", 4096, False, None)] + [(f"chunked-{b}", int(b), True, None) for b in args.budgets.split(",")]
+    configs += [(f"tpot-{t}ms", 4096, True, float(t)) for t in args.tpot_ms.split(",") if t]
     results = []
-    for name, budget, chunked in configs:
+    for name, budget, chunked, tpot_ms in configs:
         llm = LLM(TARGET, draft_model=DRAFT, num_speculative_tokens=args.num_speculative_tokens,
                   max_num_seqs=args.concurrency + 4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+        if tpot_ms is not None:  # every request in one class whose TPOT budget sizes the chunks
+            cfg = llm.engine.scheduler.config
+            llm.engine.scheduler.config = msgspec.structs.replace(
+                cfg, slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)}, default_slo_class="interactive")
         llm.generate(shorts[:4], SamplingParams(temperature=0.0, max_tokens=16))  # warm-up
         alone = run(llm, shorts, longs, args, interfere=False)
         mixed = run(llm, shorts, longs, args, interfere=True)

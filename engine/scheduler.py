@@ -173,7 +173,9 @@ class Scheduler:
         while self.waiting and num_free_slots > 0 and len(self.running) + len(admitted) < cfg.max_num_seqs:
             need = len(self.waiting[0].prompt_token_ids)
             if cfg.enable_chunked_prefill:
-                chunk = min(need, budget)
+                # The first prefill of a step always progresses (as a continuing one does).
+                floor = MIN_PREFILL_CHUNK if not out.prefills and not admitted else 0
+                chunk = min(need, max(budget, floor))
             else:  # whole prompts only; a long one when it is the only work
                 chunk = need if need <= budget or (not admitted and not self.running) else 0
             if chunk <= 0:
