@@ -12,7 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.test_lifecycle import _free_port, _replicas, _wait_status
+from tests.helpers.server_process import free_port, wait_status
+from tests.test_lifecycle import _replicas
 
 
 def _count_until(proc, want: int, timeout_s: float) -> float:
@@ -29,7 +30,7 @@ def _count_until(proc, want: int, timeout_s: float) -> float:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     doc = yaml.safe_load(open("configs/serve.yaml"))
-    port = _free_port()
+    port = free_port()
     doc["http_options"]["port"] = port
     app = doc["applications"][0]
     verifier = next(d for d in app["deployments"] if d["name"] == "verifier")
@@ -44,7 +45,7 @@ def served(tmp_path_factory):
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_status(url, 200, timeout_s=300, proc=proc)
+        wait_status(url, 200, timeout_s=300, proc=proc)
         yield proc, url
     finally:
         if proc.poll() is None:

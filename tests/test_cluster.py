@@ -13,10 +13,9 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 from engine import LLM, SamplingParams
-from tests.test_lifecycle import _free_port, _wait_status
+from tests.helpers.server_process import embedded_config, free_port, serve_process
 
 NAMESPACE = "specmoe-cluster-test"
 PROMPTS = ["def read_config(path):\n", "class LRUCache:\n", "import json\n\n\ndef load(", "def merge(a, b):\n"]
@@ -61,9 +60,8 @@ def cluster():
 def app(cluster, tmp_path_factory):
     """(serve_app.py process, URL) deployed onto the cluster: 4 expert actors (2 experts each) that
     need an expert_slot, spread; the shared pool of actor calls (detached actors)."""
-    config = yaml.safe_load(open("configs/embedded.yaml"))
-    port = _free_port()
-    config["http"] = {"host": "127.0.0.1", "port": port, "proxy_location": "HeadOnly"}
+    config = embedded_config(free_port())
+    config["http"]["proxy_location"] = "HeadOnly"
     config["engine"].update(num_speculative_tokens=4)
     config["engine"]["scheduler"].update(max_num_seqs=8, max_waiting=8)
     # The ingress and verifier stay on the head: a lost worker takes expert actors (and maybe the
@@ -72,19 +70,8 @@ def app(cluster, tmp_path_factory):
     config["experts"] = {"experts_per_actor": 2, "transport": "actor_calls", "call_timeout_s": 5.0,
                          "resources": {"expert_slot": 1}, "scheduling_strategy": "SPREAD", "namespace": NAMESPACE}
     path = tmp_path_factory.mktemp("cluster") / "cluster.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = open(path.with_suffix(".log"), "w")
-    proc = subprocess.Popen([sys.executable, "serve_app.py", "--config", str(path), "--address",
-                             cluster.info["address"]], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_status(url, 200, timeout_s=240, proc=proc)
+    with serve_process(config, path, ("--address", cluster.info["address"])) as (proc, url, _):
         yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,16 @@ duplicate or a gap and the greedy text equals the undisturbed in-process engine'
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
-import yaml
 
 from engine import LLM, SamplingParams
-from tests.test_lifecycle import _free_port, _replicas, _wait_status
+from tests.helpers.server_process import embedded_config, free_port, serve_process
+from tests.test_lifecycle import _replicas
 
 PROMPTS = ["def read_config(path):\n", "class LRUCache:\n"]
 MAX_TOKENS = 64
@@ -23,27 +21,11 @@ MAX_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = yaml.safe_load(open("configs/embedded.yaml"))
-    port = _free_port()
-    config["http"]["port"] = port
+    config = embedded_config(free_port())
     config["verifier"] = {"num_replicas": 2}
-    path = tmp_path_factory.mktemp("failover") / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = open(path.with_suffix(".log"), "w")
-    proc = subprocess.Popen([sys.executable, "serve_app.py", "--config", str(path)], stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_status(url, 200, timeout_s=300, proc=proc)
-        yield proc, url, path.with_suffix(".log")
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+    with serve_process(config, tmp_path_factory.mktemp("failover") / "serve.yaml", start_timeout_s=300,
+                       stop_with_sigterm=True) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

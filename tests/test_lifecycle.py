@@ -8,66 +8,30 @@ import ipaddress
 import json
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
-import yaml
 
 from actors.cluster import UNCONFINABLE_LISTENERS
+from tests.helpers.server_process import embedded_config, free_port, serve_process, wait_status
 
 MODEL = "stdlib-moe"
 REQUEST_TIMEOUT_S = 6.0
 LONG = {"model": MODEL, "prompt": "def parse(text):\n", "max_tokens": 900, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(process, base URL) of `serve_app.py` on a copy of the embedded config with a short
     request_timeout_s and small queues."""
-    config = yaml.safe_load(open("configs/embedded.yaml"))
-    port = _free_port()
-    config["http"]["port"] = port
+    config = embedded_config(free_port())
     config["request_timeout_s"] = REQUEST_TIMEOUT_S
     config["engine"]["scheduler"].update(max_num_seqs=4, max_waiting=4)
-    path = tmp_path_factory.mktemp("lifecycle") / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = open(path.with_suffix(".log"), "w")
-    proc = subprocess.Popen([sys.executable, "serve_app.py", "--config", str(path)], stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_status(url, 200, timeout_s=240, proc=proc)
+    with serve_process(config, tmp_path_factory.mktemp("lifecycle") / "serve.yaml") as (proc, url, _):
         yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        log.close()
-
-
-def _wait_status(url: str, status: int, timeout_s: float, proc=None) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        assert proc is None or proc.poll() is None, "serve_app.py exited"
-        try:
-            if httpx.get(url + "/health", timeout=10).status_code == status:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"/health did not answer {status} within {timeout_s} s")
 
 
 def _tree(proc) -> list[psutil.Process]:
@@ -187,7 +151,7 @@ def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back(server):
     assert events[-2]["error"]["code"] == 503, events[-2]
     refused = httpx.post(url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
     assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
-    back_after_s = _wait_status(url, 200, timeout_s=180, proc=proc)
+    back_after_s = wait_status(url, 200, timeout_s=180, proc=proc)
     ok = httpx.post(url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60)
     assert ok.status_code == 200, ok.text
     print(f"verifier back after {back_after_s:.1f} s")

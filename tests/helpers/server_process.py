@@ -1,0 +1,71 @@
+"""`serve_app.py` in its own process on a YAML config written for a test (lifecycle, failover, cluster)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def embedded_config(port: int) -> dict:
+    """The embedded config as a dict, serving HTTP on ``port``."""
+    config = yaml.safe_load(open("configs/embedded.yaml"))
+    config["http"]["port"] = port
+    return config
+
+
+def wait_status(url: str, status: int, timeout_s: float, proc=None) -> float:
+    """Poll ``/health`` until it answers ``status``; seconds taken (AssertionError past timeout_s)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        assert proc is None or proc.poll() is None, "serve_app.py exited"
+        try:
+            if httpx.get(url + "/health", timeout=10).status_code == status:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"/health did not answer {status} within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def serve_process(config: dict, path: Path, extra_args: tuple[str, ...] = (), start_timeout_s: float = 240,
+                  stop_with_sigterm: bool = False) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """Write ``config`` to ``path``, start the server on it and wait until healthy.
+
+    Yields (process, base URL, log path); on exit the process is stopped (SIGTERM first with
+    ``stop_with_sigterm``, then kill) if it still runs.
+    """
+    path.write_text(yaml.safe_dump(config))
+    log_path = path.with_suffix(".log")
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "serve_app.py", "--config", str(path), *extra_args], stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{config['http']['port']}"
+    try:
+        wait_status(url, 200, timeout_s=start_timeout_s, proc=proc)
+        yield proc, url, log_path
+    finally:
+        if proc.poll() is None:
+            if stop_with_sigterm:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30 if stop_with_sigterm else 0.001)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+        log.close()
