@@ -1,8 +1,12 @@
-"""``compile=True`` (the layers' dense parts under torch.compile) computes what the eager model does."""
+"""``compile=True`` (the layers' dense parts under torch.compile) computes what the eager model does.
+
+This module sits at the top of ``tests/`` so that it runs after ``tests/kernels``, and imports
+``torch._dynamo`` only inside its tests: importing dynamo imports triton, and the kernel tests need
+triton first imported under ``TRITON_INTERPRET=1`` (see ``tests/kernels/conftest.py``).
+"""
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from actors.config import ServeConfig
 from engine import LLM, SamplingParams
@@ -15,6 +19,8 @@ from engine.yaml_config import load_yaml
 
 
 def test_compiled_dense_parts_equal_eager_with_bias_and_qk_norm():
+    from torch._dynamo.utils import counters
+
     g = torch.Generator().manual_seed(0)
     n, hidden, heads, kv_heads, head_dim = 5, 32, 4, 2, 8
     rows = (heads + 2 * kv_heads) * head_dim
