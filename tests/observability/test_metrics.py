@@ -161,3 +161,12 @@ def test_declared_expert_series_are_exported_at_zero_before_any_call():
     assert 'specmoe:expert_tokens_total{expert="3",layer="3",model_name="tiny-moe"} 0.0' in text
     em.record_expert_call(layer=3, expert=3, num_tokens=5, latency_s=0.001)
     assert value(r, "specmoe:expert_tokens_total", layer="3", expert="3") == 5
+
+
+def test_finish_reason_series_are_exported_at_zero_before_any_request():
+    rm = RequestMetrics("tiny-moe")
+    for reason in ("stop", "length", "abort", "error"):
+        assert value(rm.registry, "specmoe:request_success_total", finished_reason=reason) == 0
+    assert value(rm.registry, "specmoe:request_success_total", finished_reason="unknown") is None
+    rm.track(0.0).on_finish("length", 3, 2)
+    assert value(rm.registry, "specmoe:request_success_total", finished_reason="length") == 1
