@@ -118,11 +118,18 @@ def test_recording_never_raises_and_duplicate_registration_falls_back():
     assert em.record_expert_call("x", None, "many", "slow") is None
     assert em.record_step(None, object(), 1) is None
     assert em.sync_from_engine({"num_drafts": "lots"}) is None
+    # The refused calls recorded nothing half-way, and the metrics still work afterwards.
+    assert value(em.registry, "specmoe:spec_decode_num_drafts_total") == 0
+    assert value(em.registry, "specmoe:expert_tokens_total", layer="x", expert="None") is None
+    em.record_step(2, 8, 5, [3, 2])
+    assert value(em.registry, "specmoe:spec_decode_num_drafts_total") == 2
+    assert value(em.registry, "specmoe:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
     shared = CollectorRegistry()
     RequestMetrics("a", shared)
     second = RequestMetrics("a", shared)  # same names in one registry: logged, private registry
     assert second.registry is not shared
     second.track().on_tokens(1)
+    assert value(second.registry, "specmoe:generation_tokens_total", model_name="a") == 1
 
 
 def test_render_merges_sources_into_valid_text():
