@@ -2,8 +2,9 @@
 
 Unknown fields are ignored, as OpenAI does; out-of-range values raise :class:`ProtocolError`, which
 the ingress turns into HTTP 400 naming the parameter. The ranges are the engine's own table
-(:data:`engine.request_ranges.RANGES`), so the server and the offline engine accept the same values. specmoe extensions (vLLM's names): ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``num_speculative_tokens``.
+(:data:`engine.request_ranges.RANGES`), so the server and the offline engine accept the same
+values. specmoe extensions (vLLM's names): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``num_speculative_tokens``.
 """
 
 from __future__ import annotations
