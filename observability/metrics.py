@@ -203,6 +203,8 @@ class EngineMetrics:
     def record_expert_call(self, layer: int, expert: int, num_tokens: int, latency_s: float,
                            straggler: bool = False) -> None:
         """One finished expert call as the router saw it (round trip, seconds)."""
+        # Values first: a bad call must fail before it creates any series.
+        num_tokens, latency_s = int(num_tokens), float(latency_s)
         key = (self.model_name, str(layer), str(expert))
         if num_tokens:
             self._expert_tokens.labels(*key).inc(num_tokens)

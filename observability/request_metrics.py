@@ -22,6 +22,12 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.
                      0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
 
 
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""Finish reasons a request can end with (``error``: the server failed it); their
+``request_success_total`` series exist at zero from the start, so a dashboard's ``rate()`` has two
+samples as soon as the first request of a kind finishes (Prometheus' advice for known label sets)."""
+
+
 class RequestMetrics:
     """Latency histograms, token and finish counters, in-flight gauges of one model's requests.
 
@@ -60,6 +66,8 @@ class RequestMetrics:
         self.queue = hist("request_queue_time_seconds", "Time waiting in the engine queue, seconds.")
         self._success = Counter(P + "request_success_total", "Finished requests by finish reason.",
                                 m + ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self._success.labels(name, reason)
         self.prompt_tokens = Counter(P + "prompt_tokens_total", "Prompt tokens of finished requests.",
                                      m, registry=r).labels(name)
         self.generation_tokens = Counter(P + "generation_tokens_total", "Output tokens generated.",

@@ -33,17 +33,21 @@ Carrier = Mapping[str, str]
 
 def clean_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Attributes OTel accepts: ``None`` values dropped, numpy/torch scalars converted, other
-    objects stringified, sequences made lists of primitives."""
+    objects stringified, sequences made lists of primitives; a value that cannot be converted
+    (its ``str`` raises) is dropped alone, so the rest of the span survives."""
     if not attributes:
         return None
     out: dict[str, Any] = {}
     for key, value in attributes.items():
         if value is None:
             continue
-        if isinstance(value, (list, tuple)):
-            out[key] = [_primitive(v) for v in value if v is not None]
-        else:
-            out[key] = _primitive(value)
+        try:
+            if isinstance(value, (list, tuple)):
+                out[key] = [_primitive(v) for v in value if v is not None]
+            else:
+                out[key] = _primitive(value)
+        except Exception:
+            logger.debug("attribute %s dropped", key, exc_info=True)
     return out
 
 
@@ -112,7 +116,7 @@ def _begin(name: str, carrier: Carrier | None, context: Context | None, attribut
         else:
             span = tracing.get_tracer().start_span(
                 name, context=parent, kind=kind, attributes=clean_attributes(attributes),
-                links=[lk for lk in (links or ()) if lk is not None] or None, start_time=start_time_ns)
+                links=[lk for lk in (links or ()) if isinstance(lk, Link)] or None, start_time=start_time_ns)
         return span, otel_context.attach(trace.set_span_in_context(span, parent))
     except Exception:
         logger.debug("start_span(%s) failed", name, exc_info=True)
@@ -137,7 +141,8 @@ def start_span(
         carrier: from ``inject_context()`` in the calling process; the span becomes a child of
             that remote span. ``None``: child of the current span.
         attributes: set at start (samplers see them); ``None`` values are skipped.
-        links: e.g. ``link_from_carrier(c)`` for each request a step serves; ``None``s skipped.
+        links: e.g. ``link_from_carrier(c)`` for each request a step serves; ``None``s (and
+            anything not a ``Link``) skipped.
         kind: SERVER for the callee side of a hop, CLIENT for the caller side.
         context: explicit parent context (wins over ``carrier``).
         start_time_ns: epoch nanoseconds (``time.time_ns()``); default now.
@@ -182,7 +187,7 @@ def emit_span(
     try:
         span = tracing.get_tracer().start_span(
             name, context=_parent(carrier, context), kind=kind, attributes=clean_attributes(attributes),
-            links=[lk for lk in (links or ()) if lk is not None] or None, start_time=int(start_time_ns))
+            links=[lk for lk in (links or ()) if isinstance(lk, Link)] or None, start_time=int(start_time_ns))
         if error is not None:
             span.set_attribute(sc.ERROR_TYPE, error)
             span.set_status(Status(StatusCode.ERROR, error))

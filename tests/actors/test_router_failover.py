@@ -4,7 +4,8 @@ deterministic and each case runs in milliseconds.
 
 Covered: timeout of a sole replica -> re-created and retried; ExpertCallFailed after max_attempts;
 hot_expert_replicas sizes a group and a timed-out call moves to the other replica without
-re-creating anything; least-outstanding choice; bf16 rows on the wire, both transports' formats.
+re-creating anything; least-outstanding choice; bf16 rows on the wire, both transports' formats;
+two verifier replicas sharing one pool (by name) re-create one actor, not two, after a death.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import numpy as np
 import pytest
 import torch
 
+from actors import expert_pool
+from actors.config import ExpertPoolConfig
+from actors.expert_actor import ExpertWorker
+from actors.expert_pool import ExpertPool
 from actors.expert_router import ExpertCallFailed, ExpertRouter
 from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 from engine.checkpoint import CheckpointReader
 from engine.config import load_model_config
 from engine.model import ExpertStore
-from tests.helpers.fake_ray import FakePool, install_fake_ray
+from tests.helpers.fake_ray import FakeActor, FakePool, install_fake_ray
 
 TARGET = "checkpoints/stdlib-moe-target"
 CONFIG = load_model_config(TARGET)
@@ -118,3 +123,47 @@ def test_bf16_rows_cross_the_wire_bit_exactly(fake_ray, transport):
     sent = pool.replicas[0][0].handle.calls[0][1][2]
     assert sent.dtype == np.int16 and sent.shape == (3, CONFIG.hidden_size)
     assert torch.equal(out, _expected(rows, weights, counts, torch.bfloat16))
+
+
+class _Cluster:
+    """``ExpertActor.options(**o).remote(...)`` with Ray's ``get_if_exists`` semantics over a name
+    registry: two verifier replicas naming the same actor get the same handle."""
+
+    def __init__(self) -> None:
+        self.actors: dict[str, FakeActor] = {}
+        self.options: dict[str, dict] = {}
+
+    def options_of(self, **options):
+        cluster = self
+
+        class _Creator:
+            def remote(self, checkpoint, expert_ids, dtype, device, threads, tracing):
+                name = options["name"]
+                assert options["get_if_exists"]
+                if name not in cluster.actors:
+                    cluster.actors[name] = FakeActor(ExpertWorker(checkpoint, expert_ids, dtype))
+                    cluster.options[name] = options
+                return cluster.actors[name]
+
+        return _Creator()
+
+
+def test_verifier_replicas_share_the_pool_and_recreate_the_same_generation(fake_ray, monkeypatch):
+    cluster = _Cluster()
+    monkeypatch.setattr(expert_pool.ExpertActor, "options", cluster.options_of)
+    config = ExpertPoolConfig(experts_per_actor=4, call_timeout_s=0.5, transport="actor_calls")
+    pools = [ExpertPool(TARGET, CONFIG.moe.num_experts, config) for _ in range(2)]  # shared: detached
+    for pool in pools:
+        pool.start()
+    assert sorted(cluster.actors) == ["specmoe-experts-g0-r0-v0", "specmoe-experts-g1-r0-v0"]
+    assert all(o["lifetime"] == "detached" and o["namespace"] == "specmoe" for o in cluster.options.values())
+    routers = [ExpertRouter(pool, torch.float32) for pool in pools]
+    rows, weights, counts = _rows(torch.float32, seed=3)
+    expected = _expected(rows, weights, counts, torch.float32)
+    cluster.actors["specmoe-experts-g1-r0-v0"].behaviour = "dead"  # the shared actor dies
+    for router in routers:  # each replica finds out on its own and re-creates the same next generation
+        torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert sorted(cluster.actors) == ["specmoe-experts-g0-r0-v0", "specmoe-experts-g1-r0-v0",
+                                      "specmoe-experts-g1-r0-v1"]
+    assert pools[0].replicas[1][0].handle is pools[1].replicas[1][0].handle  # one actor, not two
+    assert [r.num_retries for r in routers] == [1, 1]

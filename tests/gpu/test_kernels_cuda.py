@@ -54,11 +54,13 @@ def test_expert_ffn_float32_uses_ieee_precision(kernel_calls):
     x, c, wg, wu, wd, rw = make_inputs([5, 0, 40, 1, 0, 0, 17, 2], HIDDEN, INTER, torch.float32, seed=9,
                                        device="cuda")
     c = c.cuda()  # device counts: the shape check stays, the sum check (a host sync) is skipped
-    assert_close_dtype(expert_ffn(x, c, wg, wu, wd, rw), expert_ffn_reference(x, c, wg, wu, wd, rw))
+    got, ref = expert_ffn(x, c, wg, wu, wd, rw), expert_ffn_reference(x, c, wg, wu, wd, rw)
+    # fp32 rounding of a 14336-long reduction grows with sqrt(K) (~4e-6 here); TF32 would be ~1e-3.
+    torch.testing.assert_close(got, ref, rtol=5e-5, atol=5e-5)
     assert kernel_calls["expert_ffn_triton"] == 1
 
 
-@pytest.mark.parametrize(("batch", "k", "vocab"), [(1, 4, 32000), (7, 5, 32000), (64, 4, 32000), (33, 0, 151936)])
+@pytest.mark.parametrize(("batch", "k", "vocab"), [(1, 4, 32000), (7, 5, 32000), (64, 4, 32000), (33, 1, 151936)])
 def test_rejection_sampling_equals_the_reference(kernel_calls, batch, k, vocab):
     args = make_batch(batch, k, vocab, seed=batch + k, device="cuda")
     out, num = rejection_sample(*args)

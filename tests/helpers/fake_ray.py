@@ -4,7 +4,7 @@
 (monkeypatched): ``wait`` reports every non-hung ref ready at once and times out immediately on
 hung ones, ``get`` returns a ref's value or raises what the actor "did". ``FakeActor`` wraps a plain
 object (e.g. an in-process ``ExpertWorker``) as an actor handle whose behaviour a test sets:
-``"ok"`` (calls the object), ``"dead"`` (RayActorError) or ``"hung"`` (never ready).
+``"ok"`` (calls the object), ``"dead"`` or ``"killed"`` (RayActorError) or ``"hung"`` (never ready).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class _Method:
         actor.calls.append((self.name, args))
         if actor.behaviour == "hung":
             return FakeRef(lambda: None, hung=True)
-        if actor.behaviour == "dead":
+        if actor.behaviour in ("dead", "killed"):
             def died():
                 raise ray.exceptions.RayActorError()
             return FakeRef(died)

@@ -142,11 +142,18 @@ def test_recording_never_raises_and_duplicate_registration_falls_back():
     assert em.record_expert_call("x", None, "many", "slow") is None
     assert em.record_step(None, object(), 1) is None
     assert em.sync_from_engine({"num_drafts": "lots"}) is None
+    # The refused calls recorded nothing half-way, and the metrics still work afterwards.
+    assert value(em.registry, "specmoe:spec_decode_num_drafts_total") == 0
+    assert value(em.registry, "specmoe:expert_tokens_total", layer="x", expert="None") is None
+    em.record_step(2, 8, 5, [3, 2])
+    assert value(em.registry, "specmoe:spec_decode_num_drafts_total") == 2
+    assert value(em.registry, "specmoe:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
     shared = CollectorRegistry()
     RequestMetrics("a", shared)
     second = RequestMetrics("a", shared)  # same names in one registry: logged, private registry
     assert second.registry is not shared
     second.track().on_tokens(1)
+    assert value(second.registry, "specmoe:generation_tokens_total", model_name="a") == 1
 
 
 def test_render_merges_sources_into_valid_text():
@@ -185,3 +192,12 @@ def test_declared_expert_series_are_exported_at_zero_before_any_call():
     assert 'specmoe:expert_tokens_total{expert="3",layer="3",model_name="tiny-moe"} 0.0' in text
     em.record_expert_call(layer=3, expert=3, num_tokens=5, latency_s=0.001)
     assert value(r, "specmoe:expert_tokens_total", layer="3", expert="3") == 5
+
+
+def test_finish_reason_series_are_exported_at_zero_before_any_request():
+    rm = RequestMetrics("tiny-moe")
+    for reason in ("stop", "length", "abort", "error"):
+        assert value(rm.registry, "specmoe:request_success_total", finished_reason=reason) == 0
+    assert value(rm.registry, "specmoe:request_success_total", finished_reason="unknown") is None
+    rm.track(0.0).on_finish("length", 3, 2)
+    assert value(rm.registry, "specmoe:request_success_total", finished_reason="length") == 1

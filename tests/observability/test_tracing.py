@@ -115,6 +115,12 @@ def test_telemetry_errors_never_raise(traced):
     assert extract_context({"traceparent": 42}) is not None
     assert link_from_carrier({"traceparent": "00-bad"}) is None
     emit_span("late", "not-a-time", None)
+    # The span itself survived its bad parts: exported, ended, with its event and no bad attributes.
+    assert flush_tracing(5.0)
+    [exported] = [s for s in traced.wait_for_spans(1) if s.name == sc.SPAN_VERIFY]
+    assert exported.end_time_ns >= exported.start_time_ns > 0
+    assert [name for name, _ in exported.events] == ["e"]
+    assert "x" not in exported.attributes and "y" not in exported.attributes
 
 
 def test_disabled_tracing_is_noop_but_passes_context_through(clean_env):
