@@ -68,6 +68,7 @@ class VerifierServer:
         e, x = self.config.engine, self.config.experts
         self.tag = _replica_tag()
         target_config = load_model_config(e.model)
+        self.metrics.declare_slo_classes(list(e.scheduler.slo_classes))
         self.pool = None
         if target_config.is_moe:
             tracing = msgspec.to_builtins(self.config.tracing) if self.config.tracing else None

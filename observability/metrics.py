@@ -185,6 +185,13 @@ class EngineMetrics:
         return ratio
 
     @safe
+    @safe
+    def declare_slo_classes(self, names: Sequence[str]) -> None:
+        """Create each class's ``slo_requests_total`` series (met true and false) at zero."""
+        for name in names:
+            for met in ("true", "false"):
+                self._slo.labels(self.model_name, name, met)
+
     def declare_experts(self, layers: Sequence[int], num_experts: int) -> None:
         """Create every per-(layer, expert) series at zero, so dashboards and alerts see them
         before the first request (Prometheus' advice for known label sets)."""

@@ -20,11 +20,16 @@ def free_port() -> int:
 
 def test_config(tracing_endpoint: str | None = None, **engine) -> ServeConfig:
     """The embedded config, shrunk for tests: small queues so backpressure is reachable, and four
-    expert actors (two experts each) so a dispatch has enough calls for a median."""
+    expert actors (two experts each) so a dispatch has enough calls for a median. Fixed k: these
+    tests check the serving path (spans of every process, the draft's included, and parity); the
+    adaptive controller is tested in tests/engine. One SLO class with generous budgets, so every
+    request counts in ``specmoe:slo_requests_total``."""
     return msgspec.convert({
         "model_name": MODEL_NAME,
-        "engine": {"model": TARGET, "draft_model": DRAFT, "num_speculative_tokens": 4,
-                   "scheduler": {"max_num_seqs": 16, "max_waiting": 16, "max_num_batched_tokens": 8192},
+        "engine": {"model": TARGET, "draft_model": DRAFT, "num_speculative_tokens": 4, "speculative_policy": "fixed",
+                   "scheduler": {"max_num_seqs": 16, "max_waiting": 16, "max_num_batched_tokens": 8192,
+                                 "slo_classes": {"interactive": {"ttft_ms": 60_000, "tpot_ms": 5_000}},
+                                 "default_slo_class": "interactive"},
                    **engine},
         "experts": {"experts_per_actor": 2, "call_timeout_s": 5.0, "straggler_floor_ms": 20.0},
         "http": {"host": "127.0.0.1", "port": free_port()},
