@@ -157,6 +157,7 @@ class VerifierServer:
         await self._ensure_started()
         m = self.engine.get_metrics()
         m["expert_retries"] = self.router.num_retries if self.router else 0
+        m["expert_hedges"] = self.router.num_hedges if self.router else 0
         drafter_graph = getattr(self.engine.drafter, "graph", None)
         m["draft_transport"] = {"live": drafter_graph.live, **drafter_graph.stats.as_dict()} if drafter_graph else {}
         m["transport"] = {

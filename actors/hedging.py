@@ -1,0 +1,127 @@
+"""Hedged expert calls: per-group deadlines from recent latencies, and the losers still in flight.
+
+A call on the actor-call path that has not returned ``deadline_ms(group)`` after it was sent is
+sent again to another live replica of its group; the first result is taken (experts are
+deterministic, so either gives the same rows) and the other call is cancelled. A cancelled call
+that already runs on its actor still finishes there: :class:`Losers` keeps its rows counted as
+outstanding on that replica (so the router keeps preferring others) until it is done, then drops
+its result unread. Nothing here blocks or raises into a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class LatencyWindow:
+    """The last ``size`` call latencies of one expert group, milliseconds."""
+
+    def __init__(self, size: int) -> None:
+        self._values_ms: deque[float] = deque(maxlen=size)
+
+    def observe(self, latency_ms: float) -> None:
+        if math.isfinite(latency_ms) and latency_ms >= 0:
+            self._values_ms.append(float(latency_ms))
+
+    def __len__(self) -> int:
+        return len(self._values_ms)
+
+    def quantile_ms(self, q: float) -> float:
+        """The ``q`` quantile (nearest rank, 0 < q <= 1) of the window; 0.0 when empty."""
+        if not self._values_ms:
+            return 0.0
+        ordered = sorted(self._values_ms)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass
+class HedgePolicy:
+    """When to hedge a call of each expert group (fields as in ``ExpertPoolConfig.hedge_*``)."""
+
+    enabled: bool = True
+    quantile: float = 0.95
+    factor: float = 2.0
+    floor_ms: float = 10.0
+    window: int = 64
+    min_samples: int = 8
+    windows: dict[int, LatencyWindow] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Any) -> HedgePolicy:
+        """From an :class:`actors.config.ExpertPoolConfig`."""
+        return cls(config.hedge, config.hedge_quantile, config.hedge_factor, config.hedge_floor_ms,
+                   config.hedge_window, config.hedge_min_samples)
+
+    def observe(self, group: int, latency_ms: float) -> None:
+        """One answered call's own round trip (from its send to its result), milliseconds."""
+        if group not in self.windows:
+            self.windows[group] = LatencyWindow(self.window)
+        self.windows[group].observe(latency_ms)
+
+    def deadline_ms(self, group: int, live_replicas: int) -> float | None:
+        """Milliseconds after sending at which a call of ``group`` is hedged, or None: hedging is
+        off, the group has one live replica, or fewer than ``min_samples`` latencies are known."""
+        w = self.windows.get(group)
+        if not self.enabled or live_replicas < 2 or w is None or len(w) < self.min_samples:
+            return None
+        return max(self.floor_ms, self.factor * w.quantile_ms(self.quantile))
+
+
+@dataclass
+class _Loser:
+    ref: Any
+    replica: Any
+    rows: int
+
+
+class Losers:
+    """Calls whose twin won: cancelled, their rows outstanding on their replica until they end.
+
+    Args:
+        ray_module: the ``ray`` module the router uses (``wait``, ``cancel``; a fake in tests).
+    """
+
+    def __init__(self, ray_module: Any) -> None:
+        self.ray = ray_module
+        self.pending: list[_Loser] = []
+        self.num_cancelled = 0
+
+    def add(self, ref: Any, replica: Any, rows: int) -> None:
+        """Cancel ``ref`` (a queued call never runs; a running one finishes, unread)."""
+        try:
+            self.ray.cancel(ref)
+            self.num_cancelled += 1
+        except Exception:
+            log.debug("cancelling a hedged call's loser failed", exc_info=True)
+        self.pending.append(_Loser(ref, replica, rows))
+
+    def reap(self) -> int:
+        """Drop the losers that have ended (result or cancellation, never read); returns how many."""
+        if not self.pending:
+            return 0
+        try:
+            refs = [x.ref for x in self.pending]
+            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        except Exception:
+            log.debug("checking hedged calls' losers failed", exc_info=True)
+            return 0
+        done_ids = {id(r) for r in done}
+        still = []
+        for x in self.pending:
+            if id(x.ref) in done_ids:
+                x.replica.outstanding_rows -= x.rows
+            else:
+                still.append(x)
+        reaped = len(self.pending) - len(still)
+        self.pending = still
+        return reaped
+
+    def forget(self, replica: Any) -> None:
+        """A replica was re-created: its losers will never be waited for again."""
+        self.pending = [x for x in self.pending if x.replica is not replica]
