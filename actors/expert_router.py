@@ -111,6 +111,7 @@ class _Attempt:
     sent_mono_s: float  # time.monotonic()
     hedge_at: float | None = None  # monotonic time to hedge at (first sends only)
     hedge: bool = False
+    waited_ms: float = 0.0  # how long it had run when its hedge was sent (observed as its latency)
 
 
 class ExpertRouter:
@@ -284,7 +285,8 @@ class ExpertRouter:
             results[c.record.group] = from_wire(result, c.hidden.dtype, c.hidden.device)
             for ref in twins:  # the loser: cancelled, its late result never read
                 pending.remove(ref)
-                self.losers.add(ref, inflight.pop(ref).replica, c.record.rows)
+                loser = inflight.pop(ref)
+                self.losers.add(ref, loser.replica, c.record.rows, loser.sent_mono_s, loser.waited_ms)
         timed_out: dict[int, _Call] = {}
         for ref in pending:
             a = inflight[ref]
@@ -307,7 +309,7 @@ class ExpertRouter:
             if not others:
                 continue
             other = min(others, key=lambda r: (r.outstanding_rows, r.ewma_latency_ms, r.index))
-            waited_ms = (now - a.sent_mono_s) * 1e3
+            waited_ms = a.waited_ms = (now - a.sent_mono_s) * 1e3
             a.replica.observe_latency(waited_ms)  # at least this slow: prefer other replicas next time
             hedge = self._send(layer, a.call, other)
             hedge.hedge = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,9 @@ class _Loser:
     ref: Any
     replica: Any
     rows: int
+    sent_mono_s: float  # time.monotonic() of its send
+    running_ms: float  # it was still running this long after its send (a lower bound of its latency)
+    observed_ms: float  # the part of running_ms already given to the replica's latency
 
 
 class Losers:
@@ -92,17 +96,27 @@ class Losers:
         self.pending: list[_Loser] = []
         self.num_cancelled = 0
 
-    def add(self, ref: Any, replica: Any, rows: int) -> None:
-        """Cancel ``ref`` (a queued call never runs; a running one finishes, unread)."""
+    def add(self, ref: Any, replica: Any, rows: int, sent_mono_s: float, observed_ms: float) -> None:
+        """Cancel ``ref`` (a queued call never runs; a running one finishes, unread).
+
+        Args:
+            sent_mono_s: ``time.monotonic()`` when it was sent; observed_ms: the latency already
+                observed for it on ``replica`` (the wait before its hedge).
+        """
         try:
             self.ray.cancel(ref)
             self.num_cancelled += 1
         except Exception:
             log.debug("cancelling a hedged call's loser failed", exc_info=True)
-        self.pending.append(_Loser(ref, replica, rows))
+        running_ms = (time.monotonic() - sent_mono_s) * 1e3
+        self.pending.append(_Loser(ref, replica, rows, sent_mono_s, running_ms, observed_ms))
 
     def reap(self) -> int:
-        """Drop the losers that have ended (result or cancellation, never read); returns how many."""
+        """Drop the losers that have ended (result or cancellation, never read); returns how many.
+
+        A loser that has ended gives its replica the longest time it was seen still running (a
+        lower bound of its latency, exact to one check while traffic flows), so the router keeps
+        preferring the replica that won."""
         if not self.pending:
             return 0
         try:
@@ -111,12 +125,16 @@ class Losers:
         except Exception:
             log.debug("checking hedged calls' losers failed", exc_info=True)
             return 0
+        now = time.monotonic()
         done_ids = {id(r) for r in done}
         still = []
         for x in self.pending:
             if id(x.ref) in done_ids:
                 x.replica.outstanding_rows -= x.rows
+                if x.running_ms > x.observed_ms:
+                    x.replica.observe_latency(x.running_ms)
             else:
+                x.running_ms = (now - x.sent_mono_s) * 1e3
                 still.append(x)
         reaped = len(self.pending) - len(still)
         self.pending = still
