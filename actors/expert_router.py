@@ -134,7 +134,7 @@ class ExpertRouter:
         self.timeout_s = pool.config.call_timeout_s
         self.max_attempts = pool.config.max_attempts
         self.num_retries = 0
-        self.hedging = HedgePolicy.from_config(pool.config)
+        self.hedging = HedgePolicy(pool.config)
         self.losers = Losers(ray)
         self.num_hedges = 0
         self.num_graph_layers = 0

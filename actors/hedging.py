@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -41,37 +41,32 @@ class LatencyWindow:
         return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-@dataclass
 class HedgePolicy:
-    """When to hedge a call of each expert group (fields as in ``ExpertPoolConfig.hedge_*``)."""
+    """When to hedge a call of each expert group.
 
-    enabled: bool = True
-    quantile: float = 0.95
-    factor: float = 2.0
-    floor_ms: float = 10.0
-    window: int = 64
-    min_samples: int = 8
-    windows: dict[int, LatencyWindow] = field(default_factory=dict)
+    Args:
+        config: an :class:`actors.config.ExpertPoolConfig` (its ``hedge*`` fields).
+    """
 
-    @classmethod
-    def from_config(cls, config: Any) -> HedgePolicy:
-        """From an :class:`actors.config.ExpertPoolConfig`."""
-        return cls(config.hedge, config.hedge_quantile, config.hedge_factor, config.hedge_floor_ms,
-                   config.hedge_window, config.hedge_min_samples)
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.enabled: bool = config.hedge  # a switch the verifier may flip at run time
+        self.windows: dict[int, LatencyWindow] = {}
 
     def observe(self, group: int, latency_ms: float) -> None:
         """One answered call's own round trip (from its send to its result), milliseconds."""
         if group not in self.windows:
-            self.windows[group] = LatencyWindow(self.window)
+            self.windows[group] = LatencyWindow(self.config.hedge_window)
         self.windows[group].observe(latency_ms)
 
     def deadline_ms(self, group: int, live_replicas: int) -> float | None:
         """Milliseconds after sending at which a call of ``group`` is hedged, or None: hedging is
         off, the group has one live replica, or fewer than ``min_samples`` latencies are known."""
         w = self.windows.get(group)
-        if not self.enabled or live_replicas < 2 or w is None or len(w) < self.min_samples:
+        c = self.config
+        if not self.enabled or live_replicas < 2 or w is None or len(w) < c.hedge_min_samples:
             return None
-        return max(self.floor_ms, self.factor * w.quantile_ms(self.quantile))
+        return max(c.hedge_floor_ms, c.hedge_factor * w.quantile_ms(c.hedge_quantile))
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -67,7 +68,9 @@ def _router(**config) -> tuple[ExpertRouter, EngineMetrics]:
 
 
 def test_the_deadline_is_a_factor_times_the_quantile_at_least_the_floor():
-    policy = HedgePolicy(quantile=0.95, factor=2.0, floor_ms=10.0, window=20, min_samples=5)
+    config = ExpertPoolConfig(hedge_quantile=0.95, hedge_factor=2.0, hedge_floor_ms=10.0, hedge_window=20,
+                              hedge_min_samples=5)
+    policy = HedgePolicy(config)
     for ms in range(1, 5):
         policy.observe(0, float(ms))
     assert policy.deadline_ms(0, live_replicas=2) is None  # 4 samples < min_samples
@@ -76,7 +79,7 @@ def test_the_deadline_is_a_factor_times_the_quantile_at_least_the_floor():
     assert policy.deadline_ms(0, live_replicas=2) == 2.0 * 39.0  # nearest rank: 19th of 20
     assert policy.deadline_ms(0, live_replicas=1) is None
     assert policy.deadline_ms(1, live_replicas=2) is None  # a group never observed
-    policy.floor_ms = 100.0
+    policy.config = msgspec.structs.replace(config, hedge_floor_ms=100.0)
     assert policy.deadline_ms(0, live_replicas=2) == 100.0
     policy.enabled = False
     assert policy.deadline_ms(0, live_replicas=2) is None
