@@ -13,6 +13,11 @@ latency views are reset (``VerifierServer.set_expert_hedging``, so every phase s
 * ``straggler_hedge``: the same straggler, hedging on;
 * ``baseline_hedge``: no straggler, hedging on (what hedging costs when nothing is slow).
 
+A persistent straggler is avoided by the router's replica choice (lowest recent latency) after its
+first slow call, hedging or not. ``--flip-s S`` makes the straggler intermittent instead: every S
+seconds the delay moves to the group's other replica, so the replica the router prefers turns slow
+and is chosen until its latency view catches up (what hedging is for).
+
 Each phase sends the same ``--num-prompts`` greedy completions (EOS ignored) at ``--concurrency``
 and reports p50/p99 e2e seconds (p99: nearest rank, i.e. the slowest request of 16), hedges sent,
 and whether every completion's text equals the baseline's. Ratios are p99 over the baseline p99.
@@ -26,6 +31,7 @@ import math
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,6 +95,37 @@ def load_every_expert_actor(handle, namespace: str) -> None:
     ray.get([ray.get_actor(n, namespace=namespace).load.remote() for n in names], timeout=120)
 
 
+class Straggler:
+    """The slowed replica of one group: fixed, or moving to the other replica every ``flip_s``."""
+
+    def __init__(self, handle, group: int, replica: int, delay_ms: float, flip_s: float) -> None:
+        self.handle, self.group, self.replica, self.delay_ms, self.flip_s = handle, group, replica, delay_ms, flip_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _set(self, slow: int) -> None:
+        for r in (0, 1):
+            self.handle.set_expert_delay_ms.remote(self.group, self.delay_ms if r == slow else 0.0, r).result()
+
+    def start(self) -> None:
+        self._set(self.replica)
+        if self.flip_s > 0:
+            self._thread = threading.Thread(target=self._flip, daemon=True)
+            self._thread.start()
+
+    def _flip(self) -> None:
+        slow = self.replica
+        while not self._stop.wait(self.flip_s):
+            slow = 1 - slow
+            self._set(slow)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.handle.set_expert_delay_ms.remote(self.group, 0.0).result()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -98,6 +135,7 @@ def main() -> None:
     parser.add_argument("--experts-per-actor", type=int, default=4)
     parser.add_argument("--slow-group", type=int, default=0)
     parser.add_argument("--slow-replica", type=int, default=0, help="0: the replica the router prefers on a tie")
+    parser.add_argument("--flip-s", type=float, default=0.0, help="move the delay to the other replica this often")
     parser.add_argument("--hedge-factor", type=float, default=2.0)
     parser.add_argument("--hedge-floor-ms", type=float, default=10.0)
     parser.add_argument("--save-result")
@@ -116,13 +154,17 @@ def main() -> None:
         load_every_expert_actor(handle, config.experts.namespace)
         asyncio.run(run_requests(url, config.model_name, prompts[:args.concurrency], args.concurrency,
                                  args.max_tokens))  # warm-up
-        for name, straggler, hedge in PHASES:
-            handle.set_expert_delay_ms.remote(args.slow_group, args.delay_ms if straggler else 0.0,
-                                              args.slow_replica).result()
+        for name, slowed, hedge in PHASES:
+            straggler = Straggler(handle, args.slow_group, args.slow_replica, args.delay_ms, args.flip_s)
             handle.set_expert_hedging.remote(hedge).result()
+            if slowed:
+                straggler.start()
             hedges_before = handle.stats.remote().result()["expert_hedges"]
-            e2e_s, texts = asyncio.run(run_requests(url, config.model_name, prompts, args.concurrency,
-                                                    args.max_tokens))
+            try:
+                e2e_s, texts = asyncio.run(run_requests(url, config.model_name, prompts, args.concurrency,
+                                                        args.max_tokens))
+            finally:
+                straggler.stop()
             hedges = handle.stats.remote().result()["expert_hedges"] - hedges_before
             reference = texts if reference is None else reference
             rows.append({"phase": name, "p50_e2e_s": statistics.median(e2e_s), "p99_e2e_s": percentile(e2e_s, 0.99),
