@@ -282,6 +282,8 @@ class ExpertRouter:
             own_ms = self._done(c.record, replica, timing, a.sent_s)
             self.hedging.observe(c.record.group, own_ms)
             c.record.hedge_won = a.hedge
+            if a.hedge:  # a fresh head-to-head: the winner's view is its latency now (a stale EWMA
+                replica.ewma_latency_ms = own_ms  # would send the next call back to the straggler)
             results[c.record.group] = from_wire(result, c.hidden.dtype, c.hidden.device)
             for ref in twins:  # the loser: cancelled, its late result never read
                 pending.remove(ref)
@@ -310,7 +312,8 @@ class ExpertRouter:
                 continue
             other = min(others, key=lambda r: (r.outstanding_rows, r.ewma_latency_ms, r.index))
             waited_ms = a.waited_ms = (now - a.sent_mono_s) * 1e3
-            a.replica.observe_latency(waited_ms)  # at least this slow: prefer other replicas next time
+            # At least this slow now: the router prefers the other replica once the hedge wins.
+            a.replica.ewma_latency_ms = max(a.replica.ewma_latency_ms, waited_ms)
             hedge = self._send(layer, a.call, other)
             hedge.hedge = True
             inflight[hedge.ref] = hedge

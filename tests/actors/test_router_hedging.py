@@ -122,6 +122,7 @@ def test_a_hedge_is_sent_only_past_the_deadline_and_the_late_result_is_never_rea
     assert router.num_hedges == 1 and _hedges(metrics, 6) == 1
     assert _hedges(metrics, 1) == 0 and _hedges(metrics, 7) == 0  # group 0 answered in time; 7 had no rows
     assert len(fake_ray.cancelled) == 1 and slow.outstanding_rows == 2  # the loser still runs there
+    assert slow.ewma_latency_ms >= 50.0 and router._pick(1) is not slow  # the winner is preferred now
     assert _tokens(metrics, 6) == 3 * 2  # three layers of 2 rows: the hedged one counted once
 
     assert router.losers.reap() == 0 and slow.outstanding_rows == 2  # still running: kept
