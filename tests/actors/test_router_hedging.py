@@ -136,6 +136,21 @@ def test_a_hedge_is_sent_only_past_the_deadline_and_the_late_result_is_never_rea
     assert router.num_hedges == 1 and router.num_retries == 0 and len(fake_ray.cancelled) == 1
 
 
+def test_a_hedge_that_dies_leaves_the_first_send_to_answer(fake_ray):
+    router, _ = _router(**HEDGE)
+    rows, weights, counts = _rows(seed=2)
+    expected = _expected(rows, weights, counts)
+    router.run_layer(LAYER, rows, weights, counts)
+    slow, other = router.pool.replicas[1]
+    slow.ewma_latency_ms, other.ewma_latency_ms = 0.0, 1000.0  # the first send goes to `slow`
+    slow.handle.set_delay_ms.remote(120.0)
+    other.handle.behaviour = "dead"
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert router.num_hedges == 1 and router.num_retries == 0  # no retry: the first send answered
+    assert [r.generation for r in router.pool.replicas[1]] == [0, 1]  # the dead hedge target re-created
+    assert slow.outstanding_rows == 0 and router.losers.pending == []
+
+
 @pytest.mark.parametrize("config", [dict(HEDGE, replicas=1), dict(HEDGE, hedge=False)])
 def test_no_hedge_with_a_single_replica_or_hedging_off(fake_ray, config):
     router, metrics = _router(**config)
