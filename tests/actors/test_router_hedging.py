@@ -30,7 +30,7 @@ from tests.helpers.fake_ray import FakePool, install_fake_ray
 TARGET = "checkpoints/stdlib-moe-target"
 CONFIG = load_model_config(TARGET)
 LAYER = CONFIG.moe.sparse_layers[-1]
-HEDGE = dict(replicas=2, hedge_floor_ms=50.0, hedge_factor=1.0, hedge_min_samples=1)
+HEDGE = dict(replicas=2, hedge_floor_ms=100.0, hedge_factor=1.0, hedge_min_samples=1)
 
 
 @pytest.fixture
@@ -105,31 +105,31 @@ def test_a_hedge_is_sent_only_past_the_deadline_and_the_late_result_is_never_rea
     expected = _expected(rows, weights, counts)
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
 
-    slow = router._pick(1)  # the replica the next call of group 1 goes to: 20 ms, under the 50 ms floor
+    slow = router._pick(1)  # the replica the next call of group 1 goes to: 20 ms, under the 100 ms floor
     slow.handle.set_delay_ms.remote(20.0)
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
     assert router.num_hedges == 0 and _hedges(metrics, 6) == 0 and fake_ray.cancelled == []
 
     slow = router._pick(1)
-    slow.handle.set_delay_ms.remote(300.0)
+    slow.handle.set_delay_ms.remote(600.0)
     poisoned = []
     slow.handle.target = type("Poisoned", (), {"forward": lambda *a: poisoned.append(a)})()
     start = time.monotonic()
     out = router.run_layer(LAYER, rows, weights, counts)
     took_s = time.monotonic() - start
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    assert 0.05 <= took_s < 0.25  # hedged at the 50 ms deadline, not the 300 ms straggler
+    assert 0.1 <= took_s < 0.5  # hedged at the 100 ms deadline, not the 600 ms straggler
     assert router.num_hedges == 1 and _hedges(metrics, 6) == 1
     assert _hedges(metrics, 1) == 0 and _hedges(metrics, 7) == 0  # group 0 answered in time; 7 had no rows
     assert len(fake_ray.cancelled) == 1 and slow.outstanding_rows == 2  # the loser still runs there
-    assert slow.ewma_latency_ms >= 50.0 and router._pick(1) is not slow  # the winner is preferred now
+    assert slow.ewma_latency_ms >= 100.0 and router._pick(1) is not slow  # the winner is preferred now
     assert _tokens(metrics, 6) == 3 * 2  # three layers of 2 rows: the hedged one counted once
 
     assert router.losers.reap() == 0 and slow.outstanding_rows == 2  # still running: kept
-    time.sleep(0.3)  # the loser ends; it is dropped unread and its rows released
+    time.sleep(0.6)  # the loser ends; it is dropped unread and its rows released
     assert router.losers.reap() == 1 and poisoned == [] and router.losers.pending == []
     assert all(r.outstanding_rows == 0 for r in router.pool.all_replicas())
-    assert slow.ewma_latency_ms > router._pick(1).ewma_latency_ms  # it was seen running > 50 ms
+    assert slow.ewma_latency_ms > router._pick(1).ewma_latency_ms  # it was seen running > 100 ms
     slow.handle.target = router._pick(0).handle.target.__class__(TARGET, [4, 5, 6, 7])  # recovered
     slow.handle.set_delay_ms.remote(0.0)
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
@@ -143,7 +143,7 @@ def test_a_hedge_that_dies_leaves_the_first_send_to_answer(fake_ray):
     router.run_layer(LAYER, rows, weights, counts)
     slow, other = router.pool.replicas[1]
     slow.ewma_latency_ms, other.ewma_latency_ms = 0.0, 1000.0  # the first send goes to `slow`
-    slow.handle.set_delay_ms.remote(120.0)
+    slow.handle.set_delay_ms.remote(300.0)
     other.handle.behaviour = "dead"
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
     assert router.num_hedges == 1 and router.num_retries == 0  # no retry: the first send answered
