@@ -46,6 +46,15 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         graph_build_after_s: (re)build a graph only after this long of steady traffic without one
             (steps no more than ``graph_idle_teardown_s`` apart): a build costs ~2 s of CPU, more than
             a short burst loses by going over actor calls.
+        hedge: hedged expert calls on the actor-call path (``actor_calls``, and the fallback while
+            a compiled graph is not live): a call to a group with >= 2 live replicas that has not
+            returned by its deadline is sent to another replica too, the first result is taken and
+            the other is cancelled. False: never hedge.
+        hedge_quantile, hedge_factor, hedge_floor_ms: the deadline, milliseconds after sending, is
+            ``max(hedge_floor_ms, hedge_factor x quantile(hedge_quantile))`` of the group's recent
+            call latencies (each answered call's own round trip).
+        hedge_window: recent latencies kept per group; hedge_min_samples: no hedge until a group
+            has this many (its first calls load weights lazily and are slow anyway).
     """
 
     experts_per_actor: int = 4
@@ -64,6 +73,12 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     graph_idle_teardown_s: float = 2.0
     graph_buffer_size_bytes: int = 1_000_000
     graph_build_after_s: float = 1.0
+    hedge: bool = True
+    hedge_quantile: float = 0.95
+    hedge_factor: float = 2.0
+    hedge_floor_ms: float = 10.0
+    hedge_window: int = 64
+    hedge_min_samples: int = 8
 
     def __post_init__(self) -> None:
         if self.experts_per_actor < 1:
@@ -77,6 +92,15 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         if self.graph_idle_teardown_s <= 0 or self.graph_buffer_size_bytes < 1024 or self.graph_build_after_s < 0:
             raise ValueError("experts.graph_idle_teardown_s must be > 0, experts.graph_buffer_size_bytes >= 1024 "
                              "and experts.graph_build_after_s >= 0")
+        if not 0 < self.hedge_quantile <= 1:
+            raise ValueError(f"experts.hedge_quantile must be in (0, 1], got {self.hedge_quantile}")
+        if not self.hedge_factor >= 1:
+            raise ValueError(f"experts.hedge_factor must be >= 1, got {self.hedge_factor}")
+        if not self.hedge_floor_ms >= 0:
+            raise ValueError(f"experts.hedge_floor_ms must be >= 0, got {self.hedge_floor_ms}")
+        if not 1 <= self.hedge_min_samples <= self.hedge_window:
+            raise ValueError(f"experts.hedge_min_samples must be >= 1 and <= experts.hedge_window, got "
+                             f"{self.hedge_min_samples} and {self.hedge_window}")
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

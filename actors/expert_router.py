@@ -10,6 +10,10 @@ transports (``experts.transport``):
 * ``actor_calls``: one ``.remote()`` per group, then ``ray.wait`` per arrival. The replica with the
   least outstanding rows wins (tie: lowest recent latency). A call that fails (dead actor) or times
   out is retried on another replica of the group, re-creating the actor when none is left.
+  With >= 2 live replicas, a call not back by its group's hedge deadline (``experts.hedge_*``:
+  a factor times a recent-latency quantile, at least a floor) is also sent to another replica;
+  the first answer wins, the other is cancelled and its late result never read
+  (:mod:`actors.hedging`).
 
 Experts are deterministic, so a retried or re-routed layer gives the same output.
 """
@@ -25,6 +29,7 @@ import torch
 
 from actors.compiled_graph import ActorGraph
 from actors.expert_pool import ExpertPool, Replica
+from actors.hedging import HedgePolicy, Losers
 from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
@@ -50,6 +55,8 @@ class CallRecord:
     sent_s: float = 0.0
     done_s: float = 0.0
     attempts: int = 0
+    hedges: int = 0  # extra replicas this call was sent to after its hedge deadline
+    hedge_won: bool = False  # the answer came from a hedge, not the first send
     timing: dict = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     span: Any = None
@@ -74,6 +81,9 @@ class NullTelemetry:
     def abandon_call(self, record: CallRecord, reason: str) -> None:
         return None
 
+    def hedge_call(self, record: CallRecord, from_replica: str, to_replica: str, waited_ms: float) -> None:
+        return None
+
     def end_dispatch(self, dispatch_ctx: Any, layer: int, expert_counts: list[int], records: list[CallRecord],
                      error: str | None = None) -> None:
         return None
@@ -86,6 +96,22 @@ class _Call:
     record: CallRecord
     hidden: torch.Tensor  # (rows, hidden_size)
     weights: torch.Tensor  # (rows,) float32, on the host
+    wire: Any = None  # ``hidden`` in the actor-call wire format, made once for every attempt
+    carrier: dict | None = None  # trace context of the call span, shared by its attempts
+
+
+@dataclass
+class _Attempt:
+    """One ``forward`` call in flight: the first send of a call or a hedge of it."""
+
+    ref: Any
+    call: _Call
+    replica: Replica
+    sent_s: float  # time.time()
+    sent_mono_s: float  # time.monotonic()
+    hedge_at: float | None = None  # monotonic time to hedge at (first sends only)
+    hedge: bool = False
+    waited_ms: float = 0.0  # how long it had run when its hedge was sent (observed as its latency)
 
 
 class ExpertRouter:
@@ -108,6 +134,9 @@ class ExpertRouter:
         self.timeout_s = pool.config.call_timeout_s
         self.max_attempts = pool.config.max_attempts
         self.num_retries = 0
+        self.hedging = HedgePolicy(pool.config)
+        self.losers = Losers(ray)
+        self.num_hedges = 0
         self.num_graph_layers = 0
         self.num_call_layers = 0
 
@@ -189,11 +218,13 @@ class ExpertRouter:
         return out
 
     def _via_actor_calls(self, layer: int, calls: list[_Call], ctx: Any) -> list:
-        """Every group's call in flight at once; retries on another replica until ``max_attempts``."""
+        """Every group's call in flight at once; hedged past its deadline; retried on another
+        replica until ``max_attempts``."""
         results: dict[int, Any] = {}
+        self.losers.reap()
         todo = list(calls)
         while todo:
-            inflight = {}
+            inflight: dict[Any, _Attempt] = {}
             for c in todo:
                 rec = c.record
                 if rec.attempts >= self.max_attempts:
@@ -201,57 +232,121 @@ class ExpertRouter:
                                            f"attempts failed ({'; '.join(rec.errors)})")
                 replica = self._pick(rec.group)
                 rec.attempts, rec.replica, rec.transport = rec.attempts + 1, replica.name, "actor_call"
-                replica.outstanding_rows += rec.rows
                 rec.sent_s = time.time()
-                carrier = self.telemetry.call_carrier(ctx, rec)
-                ref = replica.handle.forward.remote(layer, rec.counts, to_wire(c.hidden), c.weights.numpy(),
-                                                    rec.sent_s, carrier)
-                inflight[ref] = (c, replica)
-            todo = self._collect(inflight, results)
+                c.carrier = self.telemetry.call_carrier(ctx, rec)
+                attempt = self._send(layer, c, replica)
+                deadline_ms = self.hedging.deadline_ms(rec.group, len(self.pool.alive(rec.group)))
+                if deadline_ms is not None:
+                    attempt.hedge_at = attempt.sent_mono_s + deadline_ms / 1e3
+                inflight[attempt.ref] = attempt
+            todo = self._collect(layer, inflight, results)
         return [results[c.record.group] for c in calls]
 
-    def _collect(self, inflight: dict, results: dict) -> list[_Call]:
-        """Wait for each call as it arrives (so each gets its own latency); return the ones to retry."""
+    def _send(self, layer: int, c: _Call, replica: Replica) -> _Attempt:
+        """One ``forward`` call of ``c``'s rows to ``replica`` (its rows count as outstanding there)."""
+        if c.wire is None:
+            c.wire = to_wire(c.hidden)
+        replica.outstanding_rows += c.record.rows
+        sent_s = time.time()
+        ref = replica.handle.forward.remote(layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier)
+        return _Attempt(ref, c, replica, sent_s, time.monotonic())
+
+    def _collect(self, layer: int, inflight: dict, results: dict) -> list[_Call]:
+        """Wait for each call as it arrives (so each gets its own latency), hedging the ones past
+        their deadline; return the calls to retry (every attempt failed or timed out)."""
         retry: list[_Call] = []
         deadline = time.monotonic() + self.timeout_s
         pending = list(inflight)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            self._hedge_due(layer, inflight, pending)
+            hedge_at = [a.hedge_at for a in inflight.values() if a.hedge_at is not None]
+            wake = min([deadline, *hedge_at])
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, wake - time.monotonic()))
             if not ready:
-                break
-            c, replica = inflight[ready[0]]
+                if wake >= deadline:
+                    break
+                continue  # a hedge deadline passed
+            a = inflight.pop(ready[0])
+            c, replica = a.call, a.replica
             replica.outstanding_rows -= c.record.rows
+            twins = [ref for ref in pending if inflight[ref].call is c]
             try:
                 result, timing = ray.get(ready[0])
             except RETRYABLE as e:
+                if twins:  # the call's other attempt may still answer
+                    self._lost_attempt(c, replica, type(e).__name__)
+                    continue
                 self._failed(c, replica, type(e).__name__, dead=True)
                 retry.append(c)
                 continue
-            self._done(c.record, replica, timing)
+            own_ms = self._done(c.record, replica, timing, a.sent_s)
+            self.hedging.observe(c.record.group, own_ms)
+            c.record.hedge_won = a.hedge
+            if a.hedge:  # a fresh head-to-head: the winner's view is its latency now (a stale EWMA
+                replica.ewma_latency_ms = own_ms  # would send the next call back to the straggler)
             results[c.record.group] = from_wire(result, c.hidden.dtype, c.hidden.device)
-        for ref in pending:  # timed out
-            c, replica = inflight[ref]
-            replica.outstanding_rows -= c.record.rows
-            replica.observe_latency(self.timeout_s * 1e3)  # prefer other replicas next time
-            # A hung sole replica is as good as dead.
-            self._failed(c, replica, "timeout", dead=len(self.pool.alive(c.record.group)) == 1)
-            retry.append(c)
+            for ref in twins:  # the loser: cancelled, its late result never read
+                pending.remove(ref)
+                loser = inflight.pop(ref)
+                self.losers.add(ref, loser.replica, c.record.rows, loser.sent_mono_s, loser.waited_ms)
+        timed_out: dict[int, _Call] = {}
+        for ref in pending:
+            a = inflight[ref]
+            a.replica.outstanding_rows -= a.call.record.rows
+            a.replica.observe_latency(self.timeout_s * 1e3)  # prefer other replicas next time
+            if id(a.call) not in timed_out:
+                timed_out[id(a.call)] = a.call
+                # A hung sole replica is as good as dead.
+                self._failed(a.call, a.replica, "timeout", dead=len(self.pool.alive(a.call.record.group)) == 1)
+                retry.append(a.call)
         return retry
+
+    def _hedge_due(self, layer: int, inflight: dict, pending: list) -> None:
+        """Send every call whose hedge deadline has passed to another live replica (once a call)."""
+        now = time.monotonic()
+        for a in [a for a in inflight.values() if a.hedge_at is not None and a.hedge_at <= now]:
+            a.hedge_at = None
+            busy = {inflight[ref].replica.name for ref in pending if inflight[ref].call is a.call}
+            others = [r for r in self.pool.alive(a.call.record.group) if r.name not in busy]
+            if not others:
+                continue
+            other = min(others, key=lambda r: (r.outstanding_rows, r.ewma_latency_ms, r.index))
+            waited_ms = a.waited_ms = (now - a.sent_mono_s) * 1e3
+            # At least this slow now: the router prefers the other replica once the hedge wins.
+            a.replica.ewma_latency_ms = max(a.replica.ewma_latency_ms, waited_ms)
+            hedge = self._send(layer, a.call, other)
+            hedge.hedge = True
+            inflight[hedge.ref] = hedge
+            pending.append(hedge.ref)
+            a.call.record.hedges += 1
+            self.num_hedges += 1
+            self.telemetry.hedge_call(a.call.record, a.replica.name, other.name, waited_ms)
+
+    def _lost_attempt(self, c: _Call, replica: Replica, reason: str) -> None:
+        """One attempt of a hedged call failed while its twin is still in flight."""
+        c.record.errors.append(f"{replica.name}: {reason}")
+        self.losers.forget(replica)
+        self.pool.recreate(replica)
 
     def _failed(self, c: _Call, replica: Replica, reason: str, dead: bool) -> None:
         c.record.errors.append(f"{replica.name}: {reason}")
         self.telemetry.abandon_call(c.record, reason)
         self.num_retries += 1
         if dead:
+            self.losers.forget(replica)
             self.pool.recreate(replica)
 
     @staticmethod
-    def _done(rec: CallRecord, replica: Replica, timing: dict) -> None:
+    def _done(rec: CallRecord, replica: Replica, timing: dict, sent_s: float | None = None) -> float:
+        """Record the answer of ``replica`` to a call sent at ``sent_s`` (default the record's first
+        send; a hedge has its own); returns that attempt's own latency, milliseconds."""
         # The call's end is the actor's end of compute, so each call has its own latency even when
         # several arrive together (a compiled graph returns all of a layer at once).
         rec.done_s = max(rec.sent_s, timing["start_s"] + timing["compute_ms"] / 1e3)
         rec.timing, rec.replica = timing, replica.name
-        replica.observe_latency(rec.latency_ms)
+        own_ms = max(0.0, (rec.done_s - (rec.sent_s if sent_s is None else sent_s)) * 1e3)
+        replica.observe_latency(own_ms)
+        return own_ms
 
     def _graph_members(self) -> tuple[list[Replica], str]:
         """One live replica of every group (a dead one is re-created by the next actor call first)."""

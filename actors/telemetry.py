@@ -6,7 +6,7 @@ Span tree of one request (processes in brackets)::
       > specmoe.engine.step [verifier]   parent: the oldest request in the batch; links: all of them
           > specmoe.draft.propose [verifier] > specmoe.draft.forward [draft]
           > specmoe.target.forward [verifier] > specmoe.moe.dispatch (per layer)
-              > specmoe.expert.call [verifier, one per actor call; straggler flag]
+              > specmoe.expert.call [verifier, one per actor call; straggler flag, hedge events]
                   > specmoe.expert.compute [expert actor]
           > specmoe.verify [verifier]
 
@@ -110,6 +110,20 @@ class RouterTelemetry:
             log.debug("call span failed", exc_info=True)
         record.span = None
 
+    def hedge_call(self, record, from_replica: str, to_replica: str, waited_ms: float) -> None:
+        """A hedge was sent for ``record``: counted per (layer, expert) and an event on its span."""
+        try:
+            if self.metrics is not None:
+                for expert, count in zip(record.expert_ids, record.counts):
+                    if count:
+                        self.metrics.record_hedge(record.layer, expert)
+            if record.span is not None:
+                record.span.add_event(sc.EVENT_EXPERT_HEDGE, {sc.EVENT_HEDGE_FROM: from_replica,
+                                                              sc.EVENT_HEDGE_TO: to_replica,
+                                                              sc.EVENT_HEDGE_WAITED_MS: waited_ms})
+        except Exception:
+            log.debug("hedge telemetry failed", exc_info=True)
+
     def end_dispatch(self, dispatch, layer: int, expert_counts: list[int], records: list,
                      error: str | None = None) -> None:
         """Close a dispatch: call spans, straggler flags and metrics; on ``error`` (the dispatch
@@ -145,7 +159,8 @@ class RouterTelemetry:
             sc.MOE_LAYER: layer, sc.EXPERT_ID: ",".join(str(e) for e in r.expert_ids),
             sc.EXPERT_REPLICA: r.timing.get("actor_id", r.replica), sc.EXPERT_NUM_TOKENS: r.rows,
             sc.EXPERT_QUEUE_TIME_MS: max(0.0, r.latency_ms - compute_ms), sc.EXPERT_COMPUTE_TIME_MS: compute_ms,
-            sc.EXPERT_STRAGGLER: straggler, sc.EXPERT_ATTEMPTS: r.attempts, sc.EXPERT_TRANSPORT: r.transport})
+            sc.EXPERT_STRAGGLER: straggler, sc.EXPERT_ATTEMPTS: r.attempts, sc.EXPERT_TRANSPORT: r.transport,
+            sc.EXPERT_HEDGES: r.hedges, sc.EXPERT_HEDGE_WON: r.hedge_won})
         r.span.end(end_time=int(r.done_s * 1e9))
 
 

@@ -158,6 +158,7 @@ class VerifierServer:
         await self._ensure_started()
         m = self.engine.get_metrics()
         m["expert_retries"] = self.router.num_retries if self.router else 0
+        m["expert_hedges"] = self.router.num_hedges if self.router else 0
         drafter_graph = getattr(self.engine.drafter, "graph", None)
         m["draft_transport"] = {"live": drafter_graph.live, **drafter_graph.stats.as_dict()} if drafter_graph else {}
         m["transport"] = {
@@ -174,10 +175,25 @@ class VerifierServer:
     async def expert_actor_names(self) -> list[str]:
         return [r.name for r in self.pool.all_replicas()] if self.pool else []
 
-    async def set_expert_delay_ms(self, group: int, delay_ms: float) -> None:
-        """Make every replica of one expert group sleep ``delay_ms`` per call (a configured
-        artificial straggler, for tests and demos)."""
-        await asyncio.gather(*[r.handle.set_delay_ms.remote(delay_ms) for r in self.pool.replicas[group]])
+    async def set_expert_delay_ms(self, group: int, delay_ms: float, replica: int | None = None) -> None:
+        """Make every replica of one expert group (or only its replica ``replica``) sleep ``delay_ms``
+        per call (a configured artificial straggler, for tests and demos)."""
+        replicas = self.pool.replicas[group] if replica is None else [self.pool.replicas[group][replica]]
+        await asyncio.gather(*[r.handle.set_delay_ms.remote(delay_ms) for r in replicas])
+
+    async def set_expert_hedging(self, enabled: bool) -> None:
+        """Turn hedged expert calls on or off and forget the router's latency views (replica
+        EWMAs, hedge windows), so benchmark phases start alike. Runs on the engine thread."""
+        await self._ensure_started()
+
+        def apply() -> None:
+            if self.router is not None:
+                self.router.hedging.enabled = enabled
+                self.router.hedging.windows.clear()
+                for r in self.pool.all_replicas():
+                    r.ewma_latency_ms = 0.0
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, apply)
 
     async def metrics_bytes(self) -> bytes:
         """Prometheus text of this replica's engine metrics (rendered off the event loop)."""

@@ -97,6 +97,9 @@ class EngineMetrics:
                                          buckets=EXPERT_LATENCY_BUCKETS_S, registry=r)
         self._stragglers = Counter(P + "expert_stragglers_total", "Expert calls flagged as stragglers.",
                                    le, registry=r)
+        self._hedges = Counter(P + "expert_hedges_total",
+                               "Expert calls also sent to another replica after their hedge deadline.",
+                               le, registry=r)
         self._imbalance = Gauge(P + "moe_load_imbalance",
                                 "max/mean tokens per expert of the layer's latest dispatch (1 = balanced).",
                                 m + ["layer"], registry=r)
@@ -201,6 +204,7 @@ class EngineMetrics:
                 key = (self.model_name, str(layer), str(expert))
                 self._expert_tokens.labels(*key)
                 self._stragglers.labels(*key)
+                self._hedges.labels(*key)
                 if self.per_expert_latency:
                     self._expert_latency.labels(*key)
             if not self.per_expert_latency:
@@ -220,6 +224,11 @@ class EngineMetrics:
         hist.observe(max(0.0, latency_s))
         if straggler:
             self._stragglers.labels(*key).inc()
+
+    @safe
+    def record_hedge(self, layer: int, expert: int) -> None:
+        """One hedge of a call that carried rows of ``expert`` (counted when it is sent)."""
+        self._hedges.labels(self.model_name, str(layer), str(expert)).inc()
 
     def render(self) -> bytes:
         """This registry as Prometheus text (what the verifier hands to the ingress)."""

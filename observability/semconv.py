@@ -108,6 +108,12 @@ EXPERT_STRAGGLER: Final = "specmoe.expert.straggler"  # bool, see observability.
 EXPERT_ATTEMPTS: Final = "specmoe.expert.attempts"  # tries of this group in this dispatch
 EXPERT_TRANSPORT: Final = "specmoe.expert.transport"  # compiled_graph | actor_call
 EXPERT_ERROR: Final = "specmoe.expert.error"  # why this attempt was abandoned
+EXPERT_HEDGES: Final = "specmoe.expert.hedges"  # extra replicas the call was sent to past its deadline
+EXPERT_HEDGE_WON: Final = "specmoe.expert.hedge_won"  # bool: the answer came from a hedge
+EVENT_EXPERT_HEDGE: Final = "specmoe.expert.hedge"  # event on the call span when a hedge is sent
+EVENT_HEDGE_FROM: Final = "specmoe.expert.hedge.from_replica"  # attributes of EVENT_EXPERT_HEDGE
+EVENT_HEDGE_TO: Final = "specmoe.expert.hedge.to_replica"
+EVENT_HEDGE_WAITED_MS: Final = "specmoe.expert.hedge.waited_ms"  # since the first send, ms
 
 
 # --- attribute builders (pure; None values are dropped by the span helpers) ------------------

@@ -8,6 +8,8 @@ OUT=benchmarks/results
 mkdir -p "$OUT" docs/img
 $PY benchmarks/engine.py --num-prompts 24 --max-tokens 64 --save-result $OUT/engine.json 2>&1 | tee $OUT/engine.log
 $PY benchmarks/serve_vs_engine.py --num-prompts 16 --max-tokens 48 --save-result $OUT/serve_vs_engine.json 2>&1 | tee $OUT/serve_vs_engine.log
+$PY benchmarks/hedging.py --repeats 3 --save-result $OUT/hedging.json 2>&1 | tee $OUT/hedging.log
+$PY benchmarks/hedging.py --repeats 3 --flip-s 0.5 --save-result $OUT/hedging_flip.json 2>&1 | tee $OUT/hedging_flip.log
 $PY benchmarks/tracing_overhead.py --num-requests 32 --concurrency 4 --max-tokens 48 --save-result $OUT/tracing.json 2>&1 | tee $OUT/tracing.log
 $PY benchmarks/serve.py --sweep --config-file configs/sweep.yaml \
     --configs speculation_off,draft_k1,draft_k2,draft_k4,draft_k6,draft_k8,ngram_k4 --baseline speculation_off \

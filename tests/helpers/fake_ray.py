@@ -4,11 +4,15 @@
 (monkeypatched): ``wait`` reports every non-hung ref ready at once and times out immediately on
 hung ones, ``get`` returns a ref's value or raises what the actor "did". ``FakeActor`` wraps a plain
 object (e.g. an in-process ``ExpertWorker``) as an actor handle whose behaviour a test sets:
-``"ok"`` (calls the object), ``"dead"`` or ``"killed"`` (RayActorError) or ``"hung"`` (never ready).
+``"ok"`` (calls the object), ``"dead"`` or ``"killed"`` (RayActorError) or ``"hung"`` (never ready). A
+handle's ``set_delay_ms`` (the straggler knob) makes its later calls ready only that long after they
+are sent, and ``wait`` sleeps (bounded by its timeout) until the next delayed ref is ready; ``cancel``
+records the ref (a delayed one still becomes ready, like a running actor task that cannot stop).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +26,11 @@ from actors.expert_pool import ExpertPool, Replica
 class FakeRef:
     """An object ref: ``compute`` runs at ``get`` time; ``hung`` never becomes ready."""
 
-    def __init__(self, compute: Callable[[], Any], hung: bool = False) -> None:
-        self.compute, self.hung = compute, hung
+    def __init__(self, compute: Callable[[], Any], hung: bool = False, ready_at_s: float = 0.0) -> None:
+        self.compute, self.hung, self.ready_at_s = compute, hung, ready_at_s  # ready_at_s: time.monotonic()
+
+    def ready(self) -> bool:
+        return not self.hung and self.ready_at_s <= time.monotonic()
 
 
 class _Method:
@@ -33,13 +40,16 @@ class _Method:
     def remote(self, *args) -> FakeRef:
         actor = self.actor
         actor.calls.append((self.name, args))
+        if self.name == "set_delay_ms":  # kept by the handle: the in-process worker never sleeps
+            actor.delay_s = args[0] / 1e3
+            return FakeRef(lambda: None)
         if actor.behaviour == "hung":
             return FakeRef(lambda: None, hung=True)
         if actor.behaviour in ("dead", "killed"):
             def died():
                 raise ray.exceptions.RayActorError()
             return FakeRef(died)
-        return FakeRef(lambda: getattr(actor.target, self.name)(*args))
+        return FakeRef(lambda: getattr(actor.target, self.name)(*args), ready_at_s=time.monotonic() + actor.delay_s)
 
 
 class FakeActor:
@@ -47,6 +57,7 @@ class FakeActor:
 
     def __init__(self, target: Any, behaviour: str = "ok") -> None:
         self.target, self.behaviour = target, behaviour
+        self.delay_s = 0.0
         self.calls: list[tuple[str, tuple]] = []
 
     def __getattr__(self, name: str) -> _Method:
@@ -56,18 +67,29 @@ class FakeActor:
 
 
 class FakeRay:
-    """The ``ray`` functions the router/drafter use, over :class:`FakeRef`; counts ``wait`` timeouts."""
+    """The ``ray`` functions the router/drafter use, over :class:`FakeRef`; counts ``wait`` timeouts
+    and keeps the cancelled refs."""
 
     exceptions = ray.exceptions
 
     def __init__(self) -> None:
         self.timeouts = 0
+        self.cancelled: list[FakeRef] = []
 
     def wait(self, refs: list[FakeRef], num_returns: int = 1, timeout: float | None = None):
-        ready = [r for r in refs if not r.hung][:num_returns]
+        ready = [r for r in refs if r.ready()][:num_returns]
+        upcoming = sorted(r.ready_at_s for r in refs if not r.hung and not r.ready())
+        if len(ready) < num_returns and upcoming and timeout != 0:
+            now = time.monotonic()
+            until = upcoming[min(num_returns - len(ready), len(upcoming)) - 1]
+            time.sleep(max(0.0, min(until, now + timeout if timeout is not None else until) - now))
+            ready = [r for r in refs if r.ready()][:num_returns]
         if not ready:
             self.timeouts += 1
         return ready, [r for r in refs if r not in ready]
+
+    def cancel(self, ref: FakeRef) -> None:
+        self.cancelled.append(ref)
 
     def get(self, ref: FakeRef, timeout: float | None = None):
         if ref.hung:

@@ -1,0 +1,195 @@
+"""p99 end-to-end latency with a straggling expert replica, hedged expert calls on and off.
+
+    python benchmarks/hedging.py [--num-prompts 16] [--concurrency 4] [--max-tokens 32] [--delay-ms 100]
+
+One run of the embedded app (configs/embedded.yaml) over the HTTP path with
+``experts.transport: actor_calls``, ``experts.replicas: 2`` (two replicas of every expert group,
+``--experts-per-actor`` experts each). Four phases on the same server, each after the router's
+latency views are reset (``VerifierServer.set_expert_hedging``, so every phase starts alike):
+
+* ``baseline``: no straggler, hedging off;
+* ``straggler_no_hedge``: replica ``--slow-replica`` of group ``--slow-group`` sleeps ``--delay-ms``
+  per call (``ExpertWorker.set_delay_ms``), hedging off;
+* ``straggler_hedge``: the same straggler, hedging on;
+* ``baseline_hedge``: no straggler, hedging on (what hedging costs when nothing is slow).
+
+A persistent straggler is avoided by the router's replica choice (lowest recent latency) after its
+first slow call, hedging or not. ``--flip-s S`` makes the straggler intermittent instead: every S
+seconds the delay moves to the group's other replica, so the replica the router prefers turns slow
+and is chosen until its latency view catches up (what hedging is for).
+
+Each phase sends the same ``--num-prompts`` greedy completions (EOS ignored) at ``--concurrency``
+and reports p50/p99 e2e seconds (p99: nearest rank, i.e. the slowest request of 16), hedges sent,
+and whether every completion's text equals the baseline's. Ratios are p99 over the baseline p99.
+With ``--repeats N`` the phases run N times interleaved and each row is the phase's median repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, load_prompts, machine, print_table, save_json  # noqa: E402
+
+PHASES = (("baseline", False, False), ("straggler_no_hedge", True, False), ("straggler_hedge", True, True),
+          ("baseline_hedge", False, True))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, ``0 < q <= 1``."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+async def run_requests(url: str, model: str, prompts: list[str], concurrency: int,
+                       max_tokens: int) -> tuple[list[float], list[str]]:
+    """E2e seconds of each request and each completion's text, in prompt order."""
+    sem = asyncio.Semaphore(concurrency)
+    e2e_s: list[float] = [0.0] * len(prompts)
+    texts: list[str] = [""] * len(prompts)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        async with sem:
+            body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            start = time.perf_counter()
+            r = await client.post(f"{url}/v1/completions", json=body)
+            r.raise_for_status()
+            e2e_s[i] = time.perf_counter() - start
+            texts[i] = r.json()["choices"][0]["text"]
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*[one(client, i) for i in range(len(prompts))])
+    return e2e_s, texts
+
+
+def server_config(args: argparse.Namespace):
+    from actors.config import ServeConfig
+    from engine.yaml_config import load_yaml
+
+    raw = msgspec.to_builtins(load_yaml(str(ROOT / "configs/embedded.yaml"), ServeConfig))
+    raw["experts"].update(transport="actor_calls", replicas=2, experts_per_actor=args.experts_per_actor,
+                          hedge=True, hedge_factor=args.hedge_factor, hedge_floor_ms=args.hedge_floor_ms)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        raw["http"]["port"] = s.getsockname()[1]
+    return msgspec.convert(raw, ServeConfig)
+
+
+def load_every_expert_actor(handle, namespace: str) -> None:
+    """Load every actor's weights now, so no phase pays a replica's lazy first load."""
+    import ray
+
+    names = handle.expert_actor_names.remote().result()
+    ray.get([ray.get_actor(n, namespace=namespace).load.remote() for n in names], timeout=120)
+
+
+class Straggler:
+    """The slowed replica of one group: fixed, or moving to the other replica every ``flip_s``."""
+
+    def __init__(self, handle, group: int, replica: int, delay_ms: float, flip_s: float) -> None:
+        self.handle, self.group, self.replica, self.delay_ms, self.flip_s = handle, group, replica, delay_ms, flip_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _set(self, slow: int) -> None:
+        for r in (0, 1):
+            self.handle.set_expert_delay_ms.remote(self.group, self.delay_ms if r == slow else 0.0, r).result()
+
+    def start(self) -> None:
+        self._set(self.replica)
+        if self.flip_s > 0:
+            self._thread = threading.Thread(target=self._flip, daemon=True)
+            self._thread.start()
+
+    def _flip(self) -> None:
+        slow = self.replica
+        while not self._stop.wait(self.flip_s):
+            slow = 1 - slow
+            self._set(slow)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.handle.set_expert_delay_ms.remote(self.group, 0.0).result()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--delay-ms", type=float, default=100.0)
+    parser.add_argument("--experts-per-actor", type=int, default=4)
+    parser.add_argument("--slow-group", type=int, default=0)
+    parser.add_argument("--slow-replica", type=int, default=0, help="0: the replica the router prefers on a tie")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is reported")
+    parser.add_argument("--flip-s", type=float, default=0.0, help="move the delay to the other replica this often")
+    parser.add_argument("--hedge-factor", type=float, default=2.0)
+    parser.add_argument("--hedge-floor-ms", type=float, default=10.0)
+    parser.add_argument("--save-result")
+    args = parser.parse_args()
+
+    from ray import serve
+
+    import serve_app
+
+    config = server_config(args)
+    prompts = [p["prompt"] for p in load_prompts(args.num_prompts)]
+    url = serve_app.start(config, base=ROOT)
+    rows, reference = [], None
+    try:
+        handle = serve.get_deployment_handle("verifier", app_name=serve_app.APP_NAME)
+        load_every_expert_actor(handle, config.experts.namespace)
+        asyncio.run(run_requests(url, config.model_name, prompts[:args.concurrency], args.concurrency,
+                                 args.max_tokens))  # warm-up
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in PHASES}
+        for _ in range(args.repeats):  # interleaved: every phase once per repeat
+            for name, slowed, hedge in PHASES:
+                straggler = Straggler(handle, args.slow_group, args.slow_replica, args.delay_ms, args.flip_s)
+                handle.set_expert_hedging.remote(hedge).result()
+                if slowed:
+                    straggler.start()
+                hedges_before = handle.stats.remote().result()["expert_hedges"]
+                try:
+                    e2e_s, texts = asyncio.run(run_requests(url, config.model_name, prompts, args.concurrency,
+                                                            args.max_tokens))
+                finally:
+                    straggler.stop()
+                hedges = handle.stats.remote().result()["expert_hedges"] - hedges_before
+                reference = texts if reference is None else reference
+                runs[name].append({"p50_e2e_s": statistics.median(e2e_s), "p99_e2e_s": percentile(e2e_s, 0.99),
+                                   "hedges": hedges, "same_output": texts == reference})
+        for name, reps in runs.items():  # the median repeat of each phase (by p99)
+            mid = sorted(reps, key=lambda r: r["p99_e2e_s"])[len(reps) // 2]
+            rows.append({"phase": name, **mid, "same_output": all(r["same_output"] for r in reps),
+                         "p99_each_repeat": [round(r["p99_e2e_s"], 3) for r in reps]})
+    finally:
+        serve_app.stop()
+    base = rows[0]["p99_e2e_s"]
+    for r in rows:
+        r["p99_over_baseline"] = r["p99_e2e_s"] / base
+    by = {r["phase"]: r for r in rows}
+    summary = {"hedge_over_no_hedge_p99": by["straggler_hedge"]["p99_e2e_s"] / by["straggler_no_hedge"]["p99_e2e_s"],
+               "hedge_over_baseline_p99": by["straggler_hedge"]["p99_over_baseline"],
+               "goal_hedge_over_baseline_p99": 1.3}
+    print_table(rows, list(rows[0]))
+    print(" ".join(f"{k}={v:.3f}" for k, v in summary.items()))
+    save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
