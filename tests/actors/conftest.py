@@ -20,13 +20,13 @@ def free_port() -> int:
 
 def test_config(tracing_endpoint: str | None = None, **engine) -> ServeConfig:
     """The embedded config, shrunk for tests: small queues so backpressure is reachable, and four
-    expert actors (two experts each) so a dispatch has enough calls for a median. Fixed k: these
-    tests check the serving path (spans of every process, the draft's included, and parity); the
-    adaptive controller is tested in tests/engine. One SLO class with generous budgets, so every
-    request counts in ``specmoe:slo_requests_total``."""
+    expert actors (two experts each) so a dispatch has enough calls for a median. The default
+    adaptive speculation (tests that need the draft in a trace send seeded sampled requests, which
+    keep their k). One SLO class with generous budgets, so every request counts in
+    ``specmoe:slo_requests_total``."""
     return msgspec.convert({
         "model_name": MODEL_NAME,
-        "engine": {"model": TARGET, "draft_model": DRAFT, "num_speculative_tokens": 4, "speculative_policy": "fixed",
+        "engine": {"model": TARGET, "draft_model": DRAFT, "num_speculative_tokens": 4,
                    "scheduler": {"max_num_seqs": 16, "max_waiting": 16, "max_num_batched_tokens": 8192,
                                  "slo_classes": {"interactive": {"ttft_ms": 60_000, "tpot_ms": 5_000}},
                                  "default_slo_class": "interactive"},
