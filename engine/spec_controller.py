@@ -159,8 +159,9 @@ class SpeculationController:
             self._num_probes += 1
             decision = Decision({sid: min(c, k) for sid, c in caps.items()}, "probe")
         else:
+            glob = self._global_acceptance()  # once per step: every sequence's estimate shrinks toward it
             decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
-                                      self._amortised(caps, catchup or {}, remaining or {}))
+                                      self._amortised(caps, catchup or {}, remaining or {}, glob), glob)
             self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
         decision.k.update(fixed)
         self.last = decision
@@ -175,8 +176,8 @@ class SpeculationController:
         stagger = t % 2
         return {sid: min(c, cycle[(t // 2 + stagger * i) % len(cycle)]) for i, (sid, c) in enumerate(caps.items())}
 
-    def _amortised(self, caps: dict[str, int], catchup: dict[str, int],
-                   remaining: dict[str, int]) -> dict[str, float]:
+    def _amortised(self, caps: dict[str, int], catchup: dict[str, int], remaining: dict[str, int],
+                   glob: np.ndarray) -> dict[str, float]:
         """Catch-up tokens charged to this step: one step's worth in full, the backlog spread
         over the steps it will pay off in."""
         out = {}
@@ -184,7 +185,7 @@ class SpeculationController:
             c = catchup.get(sid, 0)
             if not c:
                 continue
-            per_step = 1.0 + float(np.cumprod(self.acceptance(sid))[: max(caps[sid], 1)].sum())
+            per_step = 1.0 + float(np.cumprod(self._sequence_acceptance(sid, glob))[: max(caps[sid], 1)].sum())
             backlog = max(0.0, c - per_step)
             left = remaining.get(sid)
             share = 1.0 if left is None else min(1.0, per_step / max(left, 1))
@@ -192,15 +193,15 @@ class SpeculationController:
         return out
 
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
-                  fixed: dict[str, int], catchup: dict[str, float]) -> Decision:
+                  fixed: dict[str, int], catchup: dict[str, float], glob: np.ndarray) -> Decision:
         ids = list(caps)
-        gains = self._gains(ids, caps)  # (B, max_k), zero beyond each cap
+        gains = self._gains(ids, caps, glob)  # (B, max_k), zero beyond each cap
         flat = gains.ravel()
         order = np.lexsort((np.tile(np.arange(self.max_k), len(ids)), -flat))  # by gain, then position
         order = order[flat[order] > 0]
         n = np.arange(len(order) + 1)  # n = draft tokens in total, 0..all
         fixed_ids = list(fixed)
-        fixed_gain = float(self._gains(fixed_ids, fixed).sum()) if fixed_ids else 0.0
+        fixed_gain = float(self._gains(fixed_ids, fixed, glob).sum()) if fixed_ids else 0.0
         expected = len(ids) + len(fixed) + num_prefills + fixed_gain + np.concatenate(([0.0], np.cumsum(flat[order])))
         positions = order % self.max_k + 1
         passes = np.concatenate(([0], np.maximum.accumulate(positions))) if len(order) else np.zeros(1)
@@ -240,24 +241,26 @@ class SpeculationController:
     def acceptance(self, seq_id: str | None = None) -> np.ndarray:
         """Estimated acceptance per draft position ``(max_k,)`` in [0, 1]: the server-wide one, or
         one sequence's (shrunk toward the server-wide estimate)."""
+        glob = self._global_acceptance()
+        return glob if seq_id is None else self._sequence_acceptance(seq_id, glob)
+
+    def _global_acceptance(self) -> np.ndarray:
         g, w = self._global, self.settings.prior_weight
         glob = np.empty(self.max_k)
         prev = self.settings.acceptance_prior
         for j in range(self.max_k):  # each position shrunk toward the one before it
             prev = glob[j] = (g.accepted[j] + w * prev) / (g.tried[j] + w)
-        seq = self._seqs.get(seq_id) if seq_id is not None else None
-        if seq is None:
-            return glob
-        return (seq.accepted + w * glob) / (seq.tried + w)
+        return glob
 
-    def _gains(self, ids: list[str], caps: dict[str, int]) -> np.ndarray:
-        glob = self.acceptance()
+    def _sequence_acceptance(self, seq_id: str, glob: np.ndarray) -> np.ndarray:
+        """A sequence's counts shrunk toward the server-wide estimate ``glob`` (itself if unseen)."""
+        seq, w = self._seqs.get(seq_id), self.settings.prior_weight
+        return glob if seq is None else (seq.accepted + w * glob) / (seq.tried + w)
+
+    def _gains(self, ids: list[str], caps: dict[str, int], glob: np.ndarray) -> np.ndarray:
         rows = []
         for sid in ids:
-            seq = self._seqs.get(sid)
-            a = glob if seq is None else (seq.accepted + self.settings.prior_weight * glob) / (
-                seq.tried + self.settings.prior_weight)
-            row = np.cumprod(a)
+            row = np.cumprod(self._sequence_acceptance(sid, glob))
             row[min(caps[sid], self.max_k):] = 0.0
             rows.append(row)
         return np.stack(rows)
