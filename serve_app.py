@@ -178,6 +178,8 @@ def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfi
         raw["engine"]["num_speculative_tokens"] = args.num_speculative_tokens
     if args.speculative_policy:
         raw["engine"]["speculative_policy"] = args.speculative_policy
+    if getattr(args, "pipelined_drafting", None) is not None:
+        raw["engine"]["pipelined_drafting"] = args.pipelined_drafting
     try:
         return msgspec.convert(raw, ServeConfig)
     except (msgspec.ValidationError, ValueError) as e:
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, help="override engine.num_speculative_tokens")
     parser.add_argument("--speculative-policy", choices=["adaptive", "fixed"],
                         help="override engine.speculative_policy")
+    parser.add_argument("--pipelined-drafting", action=argparse.BooleanOptionalAction, default=None,
+                        help="override engine.pipelined_drafting (draft the next window during verification)")
     parser.add_argument("--address", help="Ray cluster to deploy onto (default: $RAY_ADDRESS; unset: start a "
                                           "local Ray that listens on 127.0.0.1 only)")
     args = parser.parse_args(argv)

@@ -54,10 +54,12 @@ class DraftServer:
         max_seqs: sequences whose draft KV cache is kept (LRU); a miss re-prefills.
         max_len: draft cache context window.
         tracing: :class:`observability.TracingConfig` as builtins (None: environment only).
+        pipelined: draft each greedy sequence's next window ahead, while the verifier runs the
+            target (:class:`engine.drafters.pipelined.PipelinedDrafter`).
     """
 
     def __init__(self, draft_model: str, dtype: str = "float32", device: str = "cpu", max_seqs: int = 16,
-                 max_len: int | None = None, tracing: dict | None = None) -> None:
+                 max_len: int | None = None, tracing: dict | None = None, pipelined: bool = False) -> None:
         import msgspec
 
         from engine.drafters.draft_model import DraftModelDrafter
@@ -66,15 +68,21 @@ class DraftServer:
 
         torch.set_num_threads(1)
         setup_tracing("draft", msgspec.convert(tracing, TracingConfig) if tracing else None)
-        self.drafter = DraftModelDrafter(load_model(draft_model, dtype, device, skip_tokenizer_init=True),
-                                         max_seqs, max_len)
+        self.model_drafter = DraftModelDrafter(load_model(draft_model, dtype, device, skip_tokenizer_init=True),
+                                               max_seqs, max_len)
+        self.drafter = self.model_drafter
+        if pipelined:
+            from engine.drafters.pipelined import PipelinedDrafter
+
+            self.drafter = PipelinedDrafter(self.model_drafter)
 
     def propose(self, wire: list[dict], release: list[str] | None = None,
                 carrier: dict | None = None) -> list[dict]:
         """Draft tokens for each request (wire format of :func:`requests_to_wire`).
 
         Returns:
-            Per request ``{"token_ids", "probs" ((n, V) float32 numpy or None), "generator"}``.
+            Per request ``{"token_ids", "probs" ((n, V) float32 numpy or None), "generator",
+            "pipelined", "drafting_ahead"}`` (the :class:`DraftProposal` fields).
         """
         from observability import SpanKind, start_span
         from observability import semconv as sc
@@ -87,7 +95,8 @@ class DraftServer:
             proposals = self.drafter.propose(requests)
             # Explicit host copy: the draft probabilities cross a process boundary as numpy.
             return [{"token_ids": p.token_ids, "probs": None if p.probs is None else p.probs.detach().cpu().numpy(),
-                     "generator": _gen_state(r.generator)} for p, r in zip(proposals, requests)]
+                     "generator": _gen_state(r.generator), "pipelined": p.pipelined,
+                     "drafting_ahead": p.drafting_ahead} for p, r in zip(proposals, requests)]
 
     def propose_graph(self, request: tuple | None, index: int) -> list[dict] | None:
         """One compiled-graph execution: ``request`` is ``(wire, release, carrier)``, or None for
@@ -95,7 +104,7 @@ class DraftServer:
         return None if request is None else self.propose(*request)
 
     def num_cache_misses(self) -> int:
-        return self.drafter.num_cache_misses
+        return self.model_drafter.num_cache_misses
 
 
 DraftActor = ray.remote(DraftServer)
@@ -118,6 +127,7 @@ class DraftActorSpec:
     namespace: str
     num_cpus: float = 0.0
     num_gpus: float = 0.0
+    pipelined: bool = False
 
 
 @dataclass
@@ -155,7 +165,7 @@ class RemoteDrafter:
         return DraftActor.options(name=f"{s.name_prefix}-v{self.generation}", namespace=s.namespace,
                                   get_if_exists=True, num_cpus=s.num_cpus, num_gpus=s.num_gpus,
                                   max_concurrency=2).remote(s.draft_model, s.dtype, s.device, s.max_seqs, s.max_len,
-                                                            s.tracing)
+                                                            s.tracing, s.pipelined)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         from observability import inject_context, is_enabled
@@ -175,7 +185,7 @@ class RemoteDrafter:
             if r.generator is not None and w["generator"] is not None:
                 r.generator.set_state(torch.from_numpy(np.frombuffer(w["generator"], dtype=np.uint8).copy()))
             probs = None if w["probs"] is None else torch.from_numpy(np.array(w["probs"], copy=True))
-            out.append(DraftProposal(list(w["token_ids"]), probs))
+            out.append(DraftProposal(list(w["token_ids"]), probs, w["pipelined"], w["drafting_ahead"]))
         return out
 
     def _call(self, request: tuple) -> list[dict]:

@@ -126,7 +126,8 @@ class VerifierServer:
             d = self.config.draft
             tracing = msgspec.to_builtins(self.config.tracing) if self.config.tracing else None
             spec = DraftActorSpec(e.draft_model, e.dtype, e.device, e.scheduler.max_num_seqs, e.max_model_len, tracing,
-                                  f"specmoe-draft-{self.tag}", x.namespace, d.num_cpus, d.num_gpus)
+                                  f"specmoe-draft-{self.tag}", x.namespace, d.num_cpus, d.num_gpus,
+                                  e.pipelined_drafting)
             drafter = RemoteDrafter(spec, x.call_timeout_s, graph_config=x if x.transport == "compiled_graph" else None)
         elif e.speculative_method == "ngram":
             drafter = NgramDrafter(e.ngram_min_n, e.ngram_max_n)

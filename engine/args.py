@@ -30,6 +30,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         speculative_policy: "adaptive" (default) chooses each sequence's draft length per step,
             0 included, to maximise emitted tokens per second (engine/spec_controller.py);
             "fixed" always drafts k.
+        pipelined_drafting: with a draft model, draft each greedy sequence's next window while the
+            target verifies this one, on the assumption that it is fully accepted
+            (engine/drafters/pipelined.py); off by default.
         dtype: "float32", "bfloat16" or "float16".
         device: torch device string, e.g. "cpu" or "cuda".
         max_model_len: context window; None uses the target's ``max_position_embeddings``.
@@ -49,6 +52,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     speculative_method: Literal["draft", "ngram"] | None = None
     num_speculative_tokens: int | None = None
     speculative_policy: SpeculativePolicy = "adaptive"
+    pipelined_drafting: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None
@@ -68,6 +72,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"num_speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                               f"got {self.num_speculative_tokens}")
+        if self.pipelined_drafting and self.speculative_method != "draft":
+            raise ConfigError("pipelined_drafting: needs speculative_method 'draft' (a draft model drafts ahead)")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError("ngram_min_n/ngram_max_n: need 1 <= ngram_min_n <= ngram_max_n")
 
@@ -83,5 +89,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if draft.config.vocab_size != target.config.vocab_size:
                 raise ConfigError(f"draft_model: vocab size {draft.config.vocab_size} differs from the "
                                   f"target's {target.config.vocab_size} (they must share a tokenizer)")
-            return DraftModelDrafter(draft, self.scheduler.max_num_seqs, max_model_len)
+            drafter = DraftModelDrafter(draft, self.scheduler.max_num_seqs, max_model_len)
+            if self.pipelined_drafting:
+                from engine.drafters.pipelined import PipelinedDrafter
+
+                return PipelinedDrafter(drafter)
+            return drafter
         return NoneDrafter()

@@ -79,7 +79,10 @@ class LLMEngine:
         self.slo = SLOPolicy(self.scheduler, self.controller)
         self.draft_length_counts = [0] * (MAX_SPECULATIVE_TOKENS + 1)  # decoding sequences by chosen k
         self.num_spec_off_steps = 0
-        self._last_catchup = 0  # tokens the drafter had to catch up on in this step's proposal
+        self._catchup: dict[str, int] = {}  # per sequence, tokens the drafter caught up on this step
+        # Windows drafted ahead (engine.drafters.pipelined): used by the next proposal, or discarded.
+        self.num_pipelined_windows = {"used": 0, "discarded": 0}
+        self._drafting_ahead: set[str] = set()
 
     def _build_controller(self, policy: SpeculativePolicy) -> SpeculationController:
         moe = self.target.config.moe
@@ -257,22 +260,32 @@ class LLMEngine:
         ]
         if not reqs:
             return {}
-        self._last_catchup = 0
+        self._catchup = {}
         for seq in decodes:
             if decision.k.get(seq.seq_id, 0) > 0:
-                self._last_catchup += seq.num_tokens - seq.num_draft_seen
+                self._catchup[seq.seq_id] = seq.num_tokens - seq.num_draft_seen
                 seq.num_draft_seen = seq.num_tokens
-        return {r.seq_id: p for r, p in zip(reqs, self.drafter.propose(reqs))}
+        drafts = {r.seq_id: p for r, p in zip(reqs, self.drafter.propose(reqs))}
+        used = sum(p.pipelined for p in drafts.values())  # a drafter keeps a window for one proposal
+        self.num_pipelined_windows["used"] += used
+        self.num_pipelined_windows["discarded"] += len(self._drafting_ahead) - used
+        self._drafting_ahead = {sid for sid, p in drafts.items() if p.drafting_ahead}
+        return drafts
 
     def _observe_costs(self, draft_s: float, target_s: float, drafts: dict[str, DraftProposal],
                        sched: SchedulerOutput) -> None:
-        """Feed the step's measured costs to the controller (draft phase; target + verify)."""
+        """Feed the step's measured costs to the controller (draft phase; target + verify).
+
+        Windows drafted ahead (pipelined) cost this step's draft phase nothing but the hop, so
+        only the others count as drafted work."""
         lengths = [len(p.token_ids) for p in drafts.values()]
+        drafted = [len(p.token_ids) for p in drafts.values() if not p.pipelined]
+        catchup = sum(self._catchup.get(sid, 0) for sid, p in drafts.items() if not p.pipelined)
         tokens = sum(sched.chunks.values()) + len(sched.decodes) + sum(lengths)
         meter = self.target.model.experts
         distinct = meter.take() if isinstance(meter, ActivationMeter) else None
-        self.controller.observe_step(draft_s, max(lengths, default=0), sum(lengths), target_s, tokens, distinct,
-                                     self._last_catchup if drafts else 0)
+        self.controller.observe_step(draft_s if drafted else 0.0, max(drafted, default=0), sum(drafted), target_s,
+                                     tokens, distinct, catchup)
 
     def _verify_and_emit(self, sched: SchedulerOutput, drafts) -> None:
         """One target forward over prefill chunks and decodes, then verification and emission.
@@ -350,6 +363,9 @@ class LLMEngine:
             self.kv.free(seq.slot)
             seq.slot = None
         self.drafter.release(seq.seq_id)
+        if seq.seq_id in self._drafting_ahead:
+            self._drafting_ahead.discard(seq.seq_id)
+            self.num_pipelined_windows["discarded"] += 1
         self.controller.release(seq.seq_id)
         seq.completion.finish_reason = reason
         seq.completion.stop_reason = stop_reason
@@ -379,5 +395,6 @@ class LLMEngine:
             "kv_cache_usage": self.kv.usage(),
             "draft_length_counts": list(self.draft_length_counts),
             "num_spec_off_steps": self.num_spec_off_steps,
+            "pipelined_windows": dict(self.num_pipelined_windows),
             "slo_attainment": self.slo.totals(),
         }

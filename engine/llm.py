@@ -31,8 +31,8 @@ class LLM:
 
     Args:
         model: target checkpoint directory.
-        draft_model, speculative_method, num_speculative_tokens, speculative_policy, dtype, device,
-            max_model_len, compile: see :class:`engine.args.EngineArgs`.
+        draft_model, speculative_method, num_speculative_tokens, speculative_policy,
+            pipelined_drafting, dtype, device, max_model_len, compile: see :class:`engine.args.EngineArgs`.
         max_num_seqs, max_num_batched_tokens, spec_disable_batch_size, enable_chunked_prefill:
             scheduler settings (:class:`engine.scheduler.SchedulerConfig`).
         skip_tokenizer_init: load no tokenizer; ``generate`` then takes token-id prompts only and
@@ -51,6 +51,7 @@ class LLM:
         speculative_method: str | None = None,
         num_speculative_tokens: int | None = None,
         speculative_policy: str = "adaptive",
+        pipelined_drafting: bool = False,
         dtype: str = "float32",
         device: str = "cpu",
         max_model_len: int | None = None,
@@ -66,7 +67,8 @@ class LLM:
                                 enable_chunked_prefill=enable_chunked_prefill)
         self.args = EngineArgs(model=model, draft_model=draft_model, speculative_method=speculative_method,
                                num_speculative_tokens=num_speculative_tokens,
-                               speculative_policy=speculative_policy, dtype=dtype, device=device,
+                               speculative_policy=speculative_policy, pipelined_drafting=pipelined_drafting,
+                               dtype=dtype, device=device,
                                max_model_len=max_model_len, skip_tokenizer_init=skip_tokenizer_init,
                                scheduler=sched, compile=compile)
         self.engine = build_engine(self.args)

@@ -85,6 +85,10 @@ class EngineMetrics:
         self._spec_off_steps = Counter(P + "spec_decode_off_steps_total",
                                        "Engine steps with decoding sequences in which nothing was drafted.",
                                        m, registry=r).labels(model_name)
+        self._pipelined = Counter(P + "spec_decode_pipelined_windows_total",
+                                  "Draft windows drafted ahead during verification (pipelined drafting), by "
+                                  "outcome: used by the next step, or discarded (not fully accepted).",
+                                  m + ["outcome"], registry=r)
         self._slo = Counter(P + "slo_requests_total",
                             "Finished requests per SLO class; met=true if every budget of the class was met.",
                             m + ["slo_class", "met"], registry=r)
@@ -147,6 +151,10 @@ class EngineMetrics:
         if off:
             self._spec_off_steps.inc(off)
         self._record_slo(totals.get("slo_attainment") or {}, prev.get("slo_attainment") or {})
+        for outcome, n in (totals.get("pipelined_windows") or {}).items():
+            d = _delta(n, (prev.get("pipelined_windows") or {}).get(outcome, 0))
+            if d:
+                self._pipelined.labels(self.model_name, outcome).inc(d)
         self._last_totals = {k: _snapshot(v) for k, v in totals.items()}
         if "num_running" in totals:
             self.set_engine_state(int(totals["num_running"]), int(totals.get("num_waiting", 0)),

@@ -46,10 +46,15 @@ class DraftProposal(msgspec.Struct):
             sampled from (from :func:`engine.sampling.compute_probs`); None when the drafter is
             deterministic (greedy, n-gram), meaning ``q_j`` is one-hot at ``token_ids[j]`` — the
             engine materialises it for sampling rows, where it accepts with probability ``p(x)``.
+        pipelined: the tokens were drafted ahead, while the target verified the previous window
+            (:mod:`engine.drafters.pipelined`): this step did not wait for the drafter.
+        drafting_ahead: the window after this one is being drafted ahead (on its full acceptance).
     """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    pipelined: bool = False
+    drafting_ahead: bool = False
 
 
 @runtime_checkable

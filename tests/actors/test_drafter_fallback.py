@@ -25,7 +25,7 @@ class FakeDrafter(RemoteDrafter):
 
     def _make(self):
         behaviour = self.behaviours[min(self.generation, len(self.behaviours) - 1)]
-        return FakeActor(DraftServer(DRAFT, max_seqs=4), behaviour)
+        return FakeActor(DraftServer(DRAFT, max_seqs=4, pipelined=self.spec.pipelined), behaviour)
 
 
 @pytest.fixture
@@ -68,3 +68,34 @@ def test_an_error_inside_a_live_actor_keeps_the_actor(fake_ray):
     assert [p.token_ids for p in drafter.propose(bad)] == [[]]
     assert (drafter.num_failures, drafter.generation) == (1, 0) and drafter.member.handle is handle
     assert [len(p.token_ids) for p in drafter.propose(_requests())] == [4, 2]
+
+
+def test_a_pipelined_draft_actor_dying_mid_run_changes_no_greedy_output(fake_ray):
+    """The draft actor drafts ahead (pipelined); it dies after a few steps: the step without a
+    draft, the re-created actor (no window ready) and the rest are all lossless."""
+    from engine.drafters.base import NoneDrafter
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import SchedulerConfig
+    from tests.engine.bundled import loaded_target, prompt_ids
+
+    prompts, params = prompt_ids(6), SamplingParams(temperature=0.0, max_tokens=24)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8192, max_waiting=100)
+
+    def run(drafter, kill_at_step: int | None = None) -> list[list[int]]:
+        engine = LLMEngine(loaded_target(), drafter, 4, sched, speculative_policy="fixed")
+        requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        while engine.has_unfinished_requests():
+            if engine.num_steps == kill_at_step:
+                drafter.member.handle.behaviour = "dead"
+            engine.step()
+        return [r.outputs[0].token_ids for r in requests], engine.get_metrics()
+
+    expected, _ = run(NoneDrafter())
+    spec = DraftActorSpec(DRAFT, "float32", "cpu", 4, None, None, "test-draft", "specmoe", pipelined=True)
+    FakeDrafter.behaviours = ["ok"]
+    drafter = FakeDrafter(spec, timeout_s=0.25)
+    outputs, m = run(drafter, kill_at_step=6)
+    assert outputs == expected
+    assert (drafter.num_failures, drafter.generation) == (1, 1)
+    assert m["pipelined_windows"]["used"] > 0  # windows drafted ahead were used before and after

@@ -125,6 +125,15 @@ def test_chosen_draft_lengths_and_off_steps_come_from_engine_totals():
     assert value(r, "specmoe:spec_decode_off_steps_total") == 2
 
 
+def test_pipelined_window_counters_follow_engine_totals():
+    em = EngineMetrics("tiny-moe")
+    r = em.registry
+    em.sync_from_engine({"pipelined_windows": {"used": 3, "discarded": 1}})
+    em.sync_from_engine({"pipelined_windows": {"used": 3, "discarded": 1}})
+    em.sync_from_engine({"pipelined_windows": {"used": 7, "discarded": 4}})
+    assert value(r, "specmoe:spec_decode_pipelined_windows_total", outcome="used") == 7
+    assert value(r, "specmoe:spec_decode_pipelined_windows_total", outcome="discarded") == 4
+
 
 def test_slo_attainment_counters_follow_engine_totals():
     em = EngineMetrics("tiny-moe")
