@@ -5,7 +5,8 @@
 
 Output tokens/s (greedy, or ``--temperature``) of the engine on the held-out prompts with
 ``--speculative-method none`` (the baseline), fixed k in ``--fixed-ks`` and the adaptive
-controller (``speculative_policy: adaptive``, k at most ``--max-k``). Every configuration runs
+controller (``speculative_policy: adaptive``, k at most ``--max-k``), and with ``--pipelined`` each
+of those drafting ahead as well (``pipelined_drafting``, "+pipe"). Every configuration runs
 ``--repeats`` times, interleaved (A B C A B C ...) so machine drift hits all alike; the median
 run counts. Ratios are against ``none`` at the same batch size, in the same run.
 """
@@ -25,11 +26,16 @@ from benchmarks.common import DRAFT, TARGET, Timer, load_prompts, machine, print
 from engine import LLM, SamplingParams  # noqa: E402
 
 
-def build(name: str, k: int, batch: int) -> LLM:
+def build(name: str, k: int, batch: int, pipelined: bool = False) -> LLM:
     method, policy = (None, "fixed") if name == "none" else ("draft", "adaptive" if name == "adaptive" else "fixed")
     return LLM(TARGET, draft_model=DRAFT if method else None, speculative_method=method,
-               num_speculative_tokens=k if method else 0, speculative_policy=policy,
+               num_speculative_tokens=k if method else 0, speculative_policy=policy, pipelined_drafting=pipelined,
                max_num_seqs=batch, max_num_batched_tokens=16384)
+
+
+def label(config: tuple[str, int, bool]) -> str:
+    name, k, pipelined = config
+    return (name if name in ("none", "adaptive") else f"k={k}") + ("+pipe" if pipelined else "")
 
 
 def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float, dict]:
@@ -45,7 +51,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tupl
 
 
 def sweep_batch(prompts, batch: int, configs: list[tuple[str, int]], params: SamplingParams, repeats: int):
-    engines = {c: build(c[0], c[1], batch) for c in configs}
+    engines = {c: build(c[0], c[1], batch, c[2]) for c in configs}
     for llm in engines.values():
         llm.generate(prompts[: max(batch, 2)], params)  # warm-up (and the controller's warm-up)
     times: dict = {c: [] for c in configs}
@@ -60,7 +66,7 @@ def sweep_batch(prompts, batch: int, configs: list[tuple[str, int]], params: Sam
         tokens, info = extra[c]
         seconds = statistics.median(times[c])
         mean_k = sum(k * n for k, n in enumerate(info["k_counts"])) / max(1, sum(info["k_counts"]))
-        rows.append({"batch": batch, "config": c[0] if c[0] in ("none", "adaptive") else f"k={c[1]}",
+        rows.append({"batch": batch, "config": label(c),
                      "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
                      "mean_k": mean_k, "acceptance": info["accepted"] / info["drafted"] if info["drafted"] else None})
     base = next(r["tok_per_s"] for r in rows if r["config"] == "none")
@@ -79,13 +85,16 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=8, help="the adaptive controller's maximum k")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pipelined", action="store_true", help="also each speculative config drafting ahead")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     torch.set_num_threads(2)
     tok = LLM(TARGET).tokenizer
     prompts = [tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in load_prompts(args.num_prompts)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
-    configs = [("none", 0)] + [("fixed", int(k)) for k in args.fixed_ks.split(",")] + [("adaptive", args.max_k)]
+    spec = [("fixed", int(k)) for k in args.fixed_ks.split(",")] + [("adaptive", args.max_k)]
+    configs = [("none", 0, False)] + [(n, k, False) for n, k in spec] + \
+        ([(n, k, True) for n, k in spec] if args.pipelined else [])
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         rows += sweep_batch(prompts, batch, configs, params, args.repeats)

@@ -48,8 +48,8 @@ class ControllerSettings:
         acceptance_prior: server-wide acceptance at position 0 before anything is observed.
         prior_weight: pseudo-observations of the server-wide estimate in a sequence's estimate.
         sequence_decay, global_decay: per-observation decay of acceptance counts.
-        calibration_rate: EMA weight of a step's measured / predicted time in the per-mode
-            calibration of predictions.
+        calibration_rate: EMA weight (in log space, each step's deviation clipped to +-1) of a
+            step's measured / predicted time in the per-mode calibration of predictions.
     """
 
     warmup_steps: int = 8
@@ -289,7 +289,9 @@ class SpeculationController:
             predicted += float(self.draft_cost.predict(np.array([[1.0, passes, num_drafted, num_catchup]]))[0])
         if predicted > 0:  # before the models learn from this step: an honest out-of-sample ratio
             mode, rate = num_drafted > 0, self.settings.calibration_rate
-            self.calibration[mode] += rate * (min((draft_s + target_s) / predicted, 10.0) - self.calibration[mode])
+            # In log space with the step's deviation clipped: one stalled step moves it by 22 % at most.
+            dev = np.clip(np.log(max(draft_s + target_s, 1e-9) / predicted / self.calibration[mode]), -1.0, 1.0)
+            self.calibration[mode] *= float(np.exp(rate * dev))
         if num_drafted > 0:
             self.draft_cost.observe([1.0, passes, num_drafted, num_catchup], draft_s)
         if distinct_experts is not None:

@@ -4,7 +4,10 @@ Step time is learned from the steps the engine actually runs, never from constan
 
 - :class:`OnlineLinearCost`: exponentially weighted ridge regression ``t = theta . x`` with
   non-negative coefficients, refreshed after every step (recursive least squares with forgetting,
-  solved from its sufficient statistics so a badly conditioned start cannot run away).
+  solved from its sufficient statistics so a badly conditioned start cannot run away). Steps are
+  Huber-weighted (Huber 1964; weight ``min(1, c s / |r|)`` for residual ``r`` and a running
+  residual scale ``s``), so a step stalled by something else (another process on the core, a
+  page fault, a garbage collection) cannot move the coefficients far.
 - :class:`ExpertActivation`: how many distinct experts a forward over ``T`` tokens activates.
   Under top-k routing each token picks ``top_k`` of ``E`` experts; with an effective per-token
   activation probability ``p`` per expert, ``E[distinct] = E * (1 - (1 - p)^T)`` per MoE layer.
@@ -27,20 +30,34 @@ class OnlineLinearCost:
         forgetting: weight kept by past observations per new one (0 < f <= 1); 0.97 forgets
             a step's influence after ~30 steps, so the model follows load changes.
         ridge: regulariser, relative to each feature's weighted energy (diagonal of the Gram matrix).
+        huber: residuals beyond ``huber`` times the running residual scale are down-weighted.
+        warmup: observations taken at full weight before the residual scale is trusted.
     """
 
-    def __init__(self, num_features: int, forgetting: float = 0.97, ridge: float = 1e-3) -> None:
+    def __init__(self, num_features: int, forgetting: float = 0.97, ridge: float = 1e-3, huber: float = 2.0,
+                 warmup: int = 8) -> None:
         self.xtx = np.zeros((num_features, num_features))
         self.xty = np.zeros(num_features)
-        self.forgetting, self.ridge = forgetting, ridge
+        self.forgetting, self.ridge, self.huber, self.warmup = forgetting, ridge, huber, warmup
         self.num_observations = 0
         self.theta = np.zeros(num_features)
+        self.residual_scale_s = 0.0  # EW mean absolute residual of the (weighted) fit, seconds
 
     def observe(self, features: list[float], seconds: float) -> None:
         """Add one measured step: ``features`` (len num_features), ``seconds`` its duration."""
         x = np.asarray(features, dtype=np.float64)
-        self.xtx = self.forgetting * self.xtx + np.outer(x, x)
-        self.xty = self.forgetting * self.xty + x * seconds
+        residual = abs(seconds - float(x @ self.theta))
+        w = 1.0
+        if self.num_observations >= self.warmup and residual > self.huber * self.residual_scale_s > 0:
+            w = self.huber * self.residual_scale_s / residual
+        # The scale follows the clipped residual, so a run of outliers widens it only gradually.
+        clipped = min(residual, self.huber * self.residual_scale_s) if self.num_observations >= self.warmup \
+            else residual
+        self.residual_scale_s += (clipped - self.residual_scale_s) * (1.0 - self.forgetting if
+                                                                      self.num_observations >= self.warmup else
+                                                                      1.0 / (self.num_observations + 1))
+        self.xtx = self.forgetting * self.xtx + w * np.outer(x, x)
+        self.xty = self.forgetting * self.xty + w * x * seconds
         self.num_observations += 1
         self.theta = self._solve()
 

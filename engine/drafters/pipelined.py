@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engine.drafters.base import DraftProposal, DraftRequest, Drafter
+from engine.drafters.base import Drafter, DraftProposal, DraftRequest
 
 log = logging.getLogger(__name__)
 

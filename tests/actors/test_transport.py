@@ -142,6 +142,30 @@ def test_remote_drafter_equals_in_process_and_survives_a_dead_actor(served, grap
         ray.kill(drafter.member.handle)
 
 
+def test_a_pipelined_draft_actor_drafts_the_next_window_during_verification(served):
+    """The draft actor (a real Ray actor, by compiled graph) drafts ahead after answering: once
+    the tokens are all accepted with the bonus token it guessed, the next proposal is that window
+    (flagged pipelined) and equals the in-process draft model's window for those tokens."""
+    spec = DraftActorSpec(DRAFT, "float32", "cpu", 4, None, None, f"test-draft-pipe-{os.getpid()}", "specmoe",
+                          pipelined=True)
+    drafter = RemoteDrafter(spec, timeout_s=10.0, graph_config=ExpertPoolConfig(call_timeout_s=10.0))
+    local = DraftModelDrafter(load_model(DRAFT, "float32", "cpu"), 4, None)
+    tokens = list(range(5, 40))
+    try:
+        drafter.propose([DraftRequest("warm", [1, 2, 3], 1)])
+        _wait(lambda: drafter.graph.live, 120, "the draft graph", poke=drafter.graph.request_build)
+        first = drafter.propose([DraftRequest("a", tokens, 4)])[0]
+        assert first.drafting_ahead and not first.pipelined
+        assert first.token_ids == local.propose([DraftRequest("l", tokens, 4)])[0].token_ids
+        guess = local.propose([DraftRequest("g", tokens + first.token_ids, 1)])[0].token_ids
+        accepted = tokens + first.token_ids + guess
+        ahead = drafter.propose([DraftRequest("a", accepted, 4)])[0]
+        assert ahead.pipelined and ahead.token_ids == local.propose([DraftRequest("m", accepted, 4)])[0].token_ids
+    finally:
+        drafter.close()
+        ray.kill(drafter.member.handle)
+
+
 def _engine_stats(handle) -> dict:
     return handle.stats.remote().result(timeout_s=30)
 

@@ -128,6 +128,29 @@ def test_online_cost_recovers_a_linear_model_with_non_negative_coefficients():
     assert collinear.predict(np.array([[1.0, 10, 10]]))[0] == pytest.approx(0.02, rel=0.05)
 
 
+def _fit_with_stalls(huber: float) -> tuple[OnlineLinearCost, np.ndarray, np.ndarray]:
+    """A draft-cost-like model fitted on steps with 5 % noise, one step in ten stalled 3-8x (a
+    shared core), and every cost doubling half-way (a load change)."""
+    model = OnlineLinearCost(4, forgetting=0.95, huber=huber)
+    rng = np.random.default_rng(0)
+    truth = np.array([2e-3, 1e-3, 0.2e-3, 0.05e-3])
+    for t in range(600):
+        passes = rng.integers(0, 9)
+        x = np.array([1.0, passes, passes * rng.integers(1, 5), rng.integers(0, 50)])
+        y = truth @ x * (1 + 0.05 * rng.standard_normal()) * (2 if t >= 300 else 1)
+        model.observe(list(x), y * (rng.uniform(3, 8) if rng.random() < 0.1 else 1.0))
+    grid = np.array([[1.0, p, p * d, c] for p in range(9) for d in (1, 4) for c in (0, 40)])
+    return model, grid @ model.theta, grid @ (2 * truth)
+
+
+def test_online_cost_shrugs_off_stalled_steps_and_follows_a_load_change():
+    robust, predicted, true = _fit_with_stalls(huber=2.0)
+    assert np.abs(robust.theta / [4e-3, 2e-3, 0.4e-3, 0.1e-3] - 1).max() < 0.3
+    assert np.abs(predicted / true - 1).max() < 0.15
+    _, plain, _ = _fit_with_stalls(huber=float("inf"))  # unweighted least squares: the stalls win
+    assert np.abs(plain / true - 1).max() > 0.3
+
+
 def test_expert_activation_learns_routing_skew():
     act = ExpertActivation(num_experts=8, num_moe_layers=2, top_k=2)
     assert act.predict(np.array([1]))[0] == pytest.approx(2 * 8 * 0.25)
