@@ -328,6 +328,8 @@ class LLMEngine:
             self.kv.truncate(seq.slot, kept_cache)
             seq.num_cached = kept_cache
             self.controller.observe_acceptance(seq.seq_id, len(draft_lists[b]), num_acc[b])
+            if seq.seq_id in self._drafting_ahead and num_acc[b] == len(draft_lists[b]):
+                self.controller.note_drafted_ahead(seq.seq_id, num_acc[b])  # its next window may be ready
             self._emit(seq, emitted, rows[b], len(draft_lists[b]), num_acc[b])
 
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor, num_drafted: int,

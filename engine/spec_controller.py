@@ -122,6 +122,7 @@ class SpeculationController:
         # Measured / predicted step time, per mode (drafting or not): the regression fits the
         # common mode best, so the rarer one (probes) may be biased; this corrects the comparison.
         self.calibration = {False: 1.0, True: 1.0}
+        self._ready: dict[str, int] = {}  # windows probably drafted ahead, for the next plan only
         self.last = Decision()
 
     # ------------------------------------------------------------------ decisions
@@ -164,6 +165,7 @@ class SpeculationController:
                                       self._amortised(caps, catchup or {}, remaining or {}, glob), glob)
             self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
         decision.k.update(fixed)
+        self._ready.clear()  # a window drafted ahead is good for the next step only
         self.last = decision
         return decision
 
@@ -196,21 +198,27 @@ class SpeculationController:
                   fixed: dict[str, int], catchup: dict[str, float], glob: np.ndarray) -> Decision:
         ids = list(caps)
         gains = self._gains(ids, caps, glob)  # (B, max_k), zero beyond each cap
+        ready = self._ready_probability(ids, glob)
+        # Drafting past a ready window would redraft it all: a likely-ready one caps the sequence.
+        gains[(ready[:, :1] >= 0.5) & (ready == 0)] = 0.0
         flat = gains.ravel()
-        order = np.lexsort((np.tile(np.arange(self.max_k), len(ids)), -flat))  # by gain, then position
+        # Likely-ready positions first (they cost little drafting), then by gain, then position.
+        order = np.lexsort((np.tile(np.arange(self.max_k), len(ids)), -flat, (ready.ravel() < 0.5)))
         order = order[flat[order] > 0]
         n = np.arange(len(order) + 1)  # n = draft tokens in total, 0..all
         fixed_ids = list(fixed)
         fixed_gain = float(self._gains(fixed_ids, fixed, glob).sum()) if fixed_ids else 0.0
         expected = len(ids) + len(fixed) + num_prefills + fixed_gain + np.concatenate(([0.0], np.cumsum(flat[order])))
         positions = order % self.max_k + 1
-        passes = np.concatenate(([0], np.maximum.accumulate(positions))) if len(order) else np.zeros(1)
+        # Draft work each entry costs: a window drafted ahead (pipelined) is free if it is ready.
+        work = 1.0 - ready.ravel()[order]
+        passes = np.concatenate(([0], np.maximum.accumulate(positions * work))) if len(order) else np.zeros(1)
         passes = np.maximum(passes, max(fixed.values(), default=0))
-        drafted = n + sum(fixed.values())
+        drafted = np.concatenate(([0.0], np.cumsum(work))) + sum(fixed.values())
+        tokens = num_base_tokens + n + sum(fixed.values())
         # A sequence's catch-up is paid once its first position is in: at the entry of position 1.
         first = np.where(positions == 1, [catchup.get(ids[r], 0) for r in order // self.max_k], 0)
         caught = sum(catchup.get(sid, 0) for sid, k in fixed.items() if k) + np.concatenate(([0], np.cumsum(first)))
-        tokens = num_base_tokens + drafted
         ones = np.ones(len(n))
         draft_s = np.where(drafted > 0, self.draft_cost.predict(np.stack([ones, passes, drafted, caught], 1)), 0.0)
         target_s = self.target_cost.predict(np.stack([ones, tokens, self.activation.predict(tokens)], 1))
@@ -257,6 +265,24 @@ class SpeculationController:
         seq, w = self._seqs.get(seq_id), self.settings.prior_weight
         return glob if seq is None else (seq.accepted + w * glob) / (seq.tried + w)
 
+    def _ready_probability(self, ids: list[str], glob: np.ndarray) -> np.ndarray:
+        """``(B, max_k)``: the chance that a sequence's draft position is already drafted ahead
+        (pipelined drafting): its first ``L`` positions if it accepted all ``L`` tokens of its last
+        window, with the probability that the drafter's bonus guess matched (its acceptance at
+        position ``L + 1``)."""
+        ready = np.zeros((len(ids), self.max_k))
+        for row, sid in enumerate(ids):
+            length = self._ready.get(sid, 0)
+            if length:
+                ready[row, :length] = self._sequence_acceptance(sid, glob)[min(length, self.max_k - 1)]
+        return ready
+
+    def note_drafted_ahead(self, seq_id: str, length: int) -> None:
+        """``seq_id`` accepted every token of a window whose successor was being drafted ahead:
+        its next ``length`` draft tokens are probably ready (engine.drafters.pipelined)."""
+        if self.max_k and self.policy == "adaptive" and length > 0:
+            self._ready[seq_id] = min(length, self.max_k)
+
     def _gains(self, ids: list[str], caps: dict[str, int], glob: np.ndarray) -> np.ndarray:
         rows = []
         for sid in ids:
@@ -301,3 +327,4 @@ class SpeculationController:
     def release(self, seq_id: str) -> None:
         """Forget a finished sequence's estimates."""
         self._seqs.pop(seq_id, None)
+        self._ready.pop(seq_id, None)

@@ -59,6 +59,20 @@ def test_expensive_draft_turns_speculation_off():
     assert decision.k == dict.fromkeys(caps, 0)
 
 
+def test_a_window_drafted_ahead_is_drafted_when_drafting_would_not_pay():
+    """Pipelined drafting: a sequence that accepted all 3 tokens of its last window probably has
+    the next 3 ready; they cost only their verification, so the controller takes them (and no
+    more: drafting past the ready window would redraft it), while the others stay at 0."""
+    sim = SyntheticStep(d_pass=0.015, c0=0.01, c_tok=0.0005)  # a draft pass costs 1.5 target steps
+    caps = {f"s{i}": 8 for i in range(4)}
+    ctl = controller()
+    sim.run(ctl, caps, dict.fromkeys(caps, 0.97), np.random.default_rng(0), 60)
+    assert ctl.plan(caps, 4).k == dict.fromkeys(caps, 0)
+    ctl.note_drafted_ahead("s1", 3)
+    assert ctl.plan(caps, 4).k == {"s0": 0, "s1": 3, "s2": 0, "s3": 0}
+    assert ctl.plan(caps, 4).k == dict.fromkeys(caps, 0)  # good for one step only
+
+
 def test_high_acceptance_and_flat_verify_drafts_the_maximum():
     sim = SyntheticStep(d_pass=0.0002, c0=0.01)  # cheap draft, verify cost flat in tokens
     caps = {f"s{i}": 8 for i in range(4)}
