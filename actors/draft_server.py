@@ -52,7 +52,7 @@ def requests_to_wire(requests: list[DraftRequest], shipped: dict[str, int] | Non
 def _features_to_wire(r: DraftRequest, start: int) -> dict:
     if r.features is None:
         return {}
-    start = min(start, r.features.shape[0])
+    start = min(start, max(0, r.features.shape[0] - 1))  # the newest row is re-run for its logits every time
     rows = r.features[start:]
     return {"features": to_bytes(rows), "features_shape": tuple(rows.shape), "features_start": start,
             "features_dtype": str(rows.dtype).removeprefix("torch.")}

@@ -194,3 +194,30 @@ def test_heads_that_do_not_fit_are_refused_at_startup(target_dir, head, tmp_path
 def test_eagle3_without_a_head_is_a_config_error(target_dir):
     with pytest.raises(ConfigError, match="draft_model: speculative_method 'eagle3' needs draft_model"):
         LLM(str(target_dir), speculative_method="eagle3")
+
+
+def test_sampled_output_with_a_head_follows_the_target_distribution(tiny_checkpoints, head):
+    """The law of the second sampled token (verified against a head draft whose q is the head's
+    softmax) equals the target's own marginal, from the transformers reference model (chi-square;
+    bins expecting fewer than 5 draws merged)."""
+    from tests.kernels.test_rejection_reference import chi2_statistic
+
+    target_dir, ref = tiny_checkpoints["mixtral"]
+    prompt, n = [5, 17, 42, 99, 3], 2000
+    with torch.no_grad():
+        p1 = torch.softmax(ref(torch.tensor([prompt])).logits[0, -1].double(), -1)  # (VOCAB,)
+        nexts = torch.tensor([prompt + [a] for a in range(VOCAB)])
+        p2 = torch.softmax(ref(nexts).logits[:, -1].double(), -1)  # (VOCAB, VOCAB): row a = p(. | a)
+    marginal = p1 @ p2
+    llm = LLM(str(target_dir), draft_model=str(head[0]), speculative_method="eagle3", num_speculative_tokens=2,
+              speculative_policy="fixed", max_num_seqs=64, skip_tokenizer_init=True)
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s) for s in range(n)]
+    seconds = torch.tensor([r.outputs[0].token_ids[1] for r in llm.generate([prompt] * n, params)])
+    small = marginal * n < 5
+    merged = torch.cat([marginal[~small], marginal[small].sum()[None]])
+    index = torch.cumsum(~small, 0) - 1
+    bins = torch.where(small[seconds], merged.numel() - 1, index[seconds])
+    stat, critical = chi2_statistic(bins, merged)
+    assert stat < critical, (stat, critical)
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] >= n and 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
