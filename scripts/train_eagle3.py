@@ -7,7 +7,7 @@ TTT loss against the target's distribution (:mod:`scripts.eagle3_training`). The
 is the ``--draft-vocab`` most frequent training tokens (``checkpoints/train_unigram_counts.json``),
 EOS always included. The embedding is the target's and is not saved.
 
-Usage: python scripts/train_eagle3.py --seed 0 [--steps 200] [--out checkpoints/stdlib-eagle3]
+Usage: python scripts/train_eagle3.py --seed 0 [--steps 300] [--out checkpoints/stdlib-eagle3]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", type=Path, default=REPO / "checkpoints/stdlib-moe-target")
     ap.add_argument("--out", type=Path, default=REPO / "checkpoints/stdlib-eagle3")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8, help="windows per step")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per training step")
@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--layer-ids", default="1,2,3", help="target layers whose input the head reads")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no spin-waiting on a loaded machine)")
     return ap.parse_args(argv)
 
 

@@ -191,9 +191,15 @@ def test_heads_that_do_not_fit_are_refused_at_startup(target_dir, head, tmp_path
         LLM(str(target_dir), draft_model=str(bad), speculative_method="eagle3", skip_tokenizer_init=True)
 
 
-def test_eagle3_without_a_head_is_a_config_error(target_dir):
+def test_eagle3_without_a_head_is_a_config_error(target_dir, tmp_path):
+    from actors.config import ServeConfig
+    from engine.yaml_config import load_yaml
+
     with pytest.raises(ConfigError, match="draft_model: speculative_method 'eagle3' needs draft_model"):
         LLM(str(target_dir), speculative_method="eagle3")
+    (tmp_path / "serve.yaml").write_text(f"model_name: x\nengine:\n  model: {target_dir}\n  speculative_method: eagle3\n")
+    with pytest.raises(ConfigError, match=r"needs draft_model - at `\$\.engine`"):
+        load_yaml(tmp_path / "serve.yaml", ServeConfig)
 
 
 def test_sampled_output_with_a_head_follows_the_target_distribution(tiny_checkpoints, head):
@@ -221,3 +227,25 @@ def test_sampled_output_with_a_head_follows_the_target_distribution(tiny_checkpo
     assert stat < critical, (stat, critical)
     m = llm.get_metrics()
     assert m["num_draft_tokens"] >= n and 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
+
+
+def test_the_bundled_head_is_lossless_and_drafts_well_on_heldout_prompts():
+    """checkpoints/stdlib-eagle3 on the bundled target: greedy output equals plain greedy, and more
+    than half a draft token is accepted per verification (the bound the bundled draft model meets)."""
+    from engine.drafters.base import NoneDrafter
+    from engine.engine import LLMEngine
+    from engine.scheduler import SchedulerConfig
+    from tests.engine.bundled import ROOT, loaded_target, prompt_ids
+
+    target = loaded_target()
+    drafter = EagleDrafter(Eagle3Head(ROOT / "checkpoints/stdlib-eagle3", target.config, target.model.embed), 8, 1024)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outputs = []
+    for d, k in ((NoneDrafter(), 0), (drafter, 4)):
+        engine = LLMEngine(target, d, k, SchedulerConfig(max_num_seqs=8, max_waiting=100), speculative_policy="fixed")
+        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompt_ids(16))]
+        while engine.has_unfinished_requests():
+            engine.step()
+        outputs.append([r.outputs[0].token_ids for r in reqs])
+    assert outputs[0] == outputs[1]
+    assert engine.get_metrics()["mean_acceptance_length"] > 1.5
