@@ -174,6 +174,8 @@ def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfi
         raw["engine"].update(speculative_method=None, draft_model=None, num_speculative_tokens=0)
     elif args.speculative_method:
         raw["engine"]["speculative_method"] = args.speculative_method
+    if getattr(args, "draft_model", None):
+        raw["engine"]["draft_model"] = args.draft_model
     if args.num_speculative_tokens is not None:
         raw["engine"]["num_speculative_tokens"] = args.num_speculative_tokens
     if args.speculative_policy:
@@ -191,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/embedded.yaml", help="YAML ServeConfig")
     parser.add_argument("--host", help="override http.host")
     parser.add_argument("--port", type=int, help="override http.port")
-    parser.add_argument("--speculative-method", choices=["draft", "ngram", "none"],
+    parser.add_argument("--speculative-method", choices=["draft", "eagle3", "ngram", "none"],
                         help="override engine.speculative_method (none: plain decoding)")
+    parser.add_argument("--draft-model", help="override engine.draft_model (a draft checkpoint or an EAGLE-3 head)")
     parser.add_argument("--num-speculative-tokens", type=int, help="override engine.num_speculative_tokens")
     parser.add_argument("--speculative-policy", choices=["adaptive", "fixed"],
                         help="override engine.speculative_policy")

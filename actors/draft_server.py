@@ -1,4 +1,5 @@
-"""The draft actor: a shim over :class:`DraftModelDrafter`, plus the verifier-side client.
+"""The draft actor: a shim over :class:`DraftModelDrafter` or :class:`EagleDrafter`, plus the
+verifier-side client.
 
 Each verifier replica owns one draft actor (its serving unit's drafter: a separate process
 holding the draft model and its KV cache), reached from the engine thread through a compiled graph
@@ -6,6 +7,10 @@ holding the draft model and its KV cache), reached from the engine thread throug
 state bytes: the draft replica samples with the request's own
 generator and sends the advanced state back, so a sampled request draws exactly the same random
 numbers as it would in-process, and its output does not depend on which replica drafted.
+
+An EAGLE-3 head reads the target's features: the client ships each sequence's features since its
+last successful call (raw bytes), and the actor answers ``miss`` for a sequence whose cache lacks
+earlier rows (evicted, or a new actor); the client then resends that sequence's whole history.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import ray
 import torch
 
 from actors.compiled_graph import ActorGraph, kill_actor
+from actors.wire import from_bytes, to_bytes
 from engine.drafters.base import DraftProposal, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -35,14 +41,32 @@ def _gen_from(state: bytes | None) -> torch.Generator | None:
     return gen
 
 
-def requests_to_wire(requests: list[DraftRequest]) -> list[dict]:
+def requests_to_wire(requests: list[DraftRequest], shipped: dict[str, int] | None = None) -> list[dict]:
+    """Wire dicts; ``shipped[seq_id]`` feature rows the actor already has are left out."""
+    shipped = shipped or {}
     return [{"seq_id": r.seq_id, "token_ids": list(r.token_ids), "k": r.k, "temperature": r.temperature,
-             "top_k": r.top_k, "top_p": r.top_p, "generator": _gen_state(r.generator)} for r in requests]
+             "top_k": r.top_k, "top_p": r.top_p, "generator": _gen_state(r.generator),
+             **_features_to_wire(r, shipped.get(r.seq_id, 0))} for r in requests]
+
+
+def _features_to_wire(r: DraftRequest, start: int) -> dict:
+    if r.features is None:
+        return {}
+    start = min(start, max(0, r.features.shape[0] - 1))  # the newest row is re-run for its logits every time
+    rows = r.features[start:]
+    return {"features": to_bytes(rows), "features_shape": tuple(rows.shape), "features_start": start,
+            "features_dtype": str(rows.dtype).removeprefix("torch.")}
 
 
 def requests_from_wire(wire: list[dict]) -> list[DraftRequest]:
     return [DraftRequest(w["seq_id"], w["token_ids"], w["k"], w["temperature"], w["top_k"], w["top_p"],
-                         _gen_from(w["generator"])) for w in wire]
+                         _gen_from(w["generator"]), *_features_from_wire(w)) for w in wire]
+
+
+def _features_from_wire(w: dict) -> tuple[torch.Tensor | None, int]:
+    if "features" not in w:
+        return None, 0
+    return from_bytes(w["features"], w["features_shape"], getattr(torch, w["features_dtype"])), w["features_start"]
 
 
 class DraftServer:
@@ -54,12 +78,18 @@ class DraftServer:
         max_seqs: sequences whose draft KV cache is kept (LRU); a miss re-prefills.
         max_len: draft cache context window.
         tracing: :class:`observability.TracingConfig` as builtins (None: environment only).
-        pipelined: draft each greedy sequence's next window ahead, while the verifier runs the
-            target (:class:`engine.drafters.pipelined.PipelinedDrafter`).
+        method: ``"draft"`` (a draft model) or ``"eagle3"`` (``draft_model`` is an EAGLE-3 head).
+        target_model: the target checkpoint (eagle3: its config and input embedding).
+        pipelined: (draft model only) draft each greedy sequence's next window ahead, while the
+            verifier runs the target (:class:`engine.drafters.pipelined.PipelinedDrafter`).
+
+    Raises:
+        CheckpointError / ConfigError: a head that does not load or does not fit the target.
     """
 
     def __init__(self, draft_model: str, dtype: str = "float32", device: str = "cpu", max_seqs: int = 16,
-                 max_len: int | None = None, tracing: dict | None = None, pipelined: bool = False) -> None:
+                 max_len: int | None = None, tracing: dict | None = None, method: str = "draft",
+                 target_model: str | None = None, pipelined: bool = False) -> None:
         import msgspec
 
         from engine.drafters.draft_model import DraftModelDrafter
@@ -68,10 +98,13 @@ class DraftServer:
 
         torch.set_num_threads(1)
         setup_tracing("draft", msgspec.convert(tracing, TracingConfig) if tracing else None)
-        self.model_drafter = DraftModelDrafter(load_model(draft_model, dtype, device, skip_tokenizer_init=True),
-                                               max_seqs, max_len)
+        if method == "eagle3":
+            self.model_drafter = _eagle_drafter(draft_model, target_model, dtype, device, max_seqs, max_len)
+        else:
+            self.model_drafter = DraftModelDrafter(load_model(draft_model, dtype, device, skip_tokenizer_init=True),
+                                                   max_seqs, max_len)
         self.drafter = self.model_drafter
-        if pipelined:
+        if pipelined and method == "draft":
             from engine.drafters.pipelined import PipelinedDrafter
 
             self.drafter = PipelinedDrafter(self.model_drafter)
@@ -92,11 +125,13 @@ class DraftServer:
             for seq_id in release or []:
                 self.drafter.release(seq_id)
             requests = requests_from_wire(wire)
-            proposals = self.drafter.propose(requests)
+            rows_kept = getattr(self.drafter, "rows_kept", None)
+            missed = {i for i, r in enumerate(requests)
+                      if rows_kept is not None and rows_kept(r.seq_id, r.token_ids) < r.features_start}
+            proposals = iter(self.drafter.propose([r for i, r in enumerate(requests) if i not in missed]))
             # Explicit host copy: the draft probabilities cross a process boundary as numpy.
-            return [{"token_ids": p.token_ids, "probs": None if p.probs is None else p.probs.detach().cpu().numpy(),
-                     "generator": _gen_state(r.generator), "pipelined": p.pipelined,
-                     "drafting_ahead": p.drafting_ahead} for p, r in zip(proposals, requests)]
+            return [{"miss": True} if i in missed else _proposal_to_wire(next(proposals), r)
+                    for i, r in enumerate(requests)]
 
     def propose_graph(self, request: tuple | None, index: int) -> list[dict] | None:
         """One compiled-graph execution: ``request`` is ``(wire, release, carrier)``, or None for
@@ -105,6 +140,25 @@ class DraftServer:
 
     def num_cache_misses(self) -> int:
         return self.model_drafter.num_cache_misses
+
+
+def _proposal_to_wire(p: DraftProposal, r: DraftRequest) -> dict:
+    return {"token_ids": p.token_ids, "probs": None if p.probs is None else p.probs.detach().cpu().numpy(),
+            "generator": _gen_state(r.generator), "pipelined": p.pipelined, "drafting_ahead": p.drafting_ahead}
+
+
+def _eagle_drafter(head_dir: str, target_dir: str, dtype: str, device: str, max_seqs: int, max_len: int | None):
+    """An :class:`EagleDrafter` over the head, with the target's config and input embedding (only
+    that tensor is read from the target checkpoint)."""
+    from engine.checkpoint import CheckpointReader
+    from engine.config import load_model_config
+    from engine.drafters.eagle import EagleDrafter
+    from engine.loader import resolve_dtype
+    from engine.model.eagle3 import Eagle3Head
+
+    config = load_model_config(target_dir)
+    embed = CheckpointReader(target_dir).get("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+    return EagleDrafter(Eagle3Head(head_dir, config, embed, resolve_dtype(dtype), device), max_seqs, max_len)
 
 
 DraftActor = ray.remote(DraftServer)
@@ -127,6 +181,9 @@ class DraftActorSpec:
     namespace: str
     num_cpus: float = 0.0
     num_gpus: float = 0.0
+    method: str = "draft"
+    target_model: str | None = None
+    feature_layers: tuple[int, ...] = ()
     pipelined: bool = False
 
 
@@ -152,6 +209,8 @@ class RemoteDrafter:
 
     def __init__(self, spec: DraftActorSpec, timeout_s: float = 10.0, graph_config=None) -> None:
         self.spec, self.timeout_s = spec, timeout_s
+        self.feature_layers = spec.feature_layers  # EAGLE-3: the engine then keeps target features
+        self._shipped: dict[str, int] = {}  # feature rows each sequence's actor cache has been sent
         self._released: list[str] = []
         self.num_failures = 0
         self.generation = 0
@@ -165,7 +224,23 @@ class RemoteDrafter:
         return DraftActor.options(name=f"{s.name_prefix}-v{self.generation}", namespace=s.namespace,
                                   get_if_exists=True, num_cpus=s.num_cpus, num_gpus=s.num_gpus,
                                   max_concurrency=2).remote(s.draft_model, s.dtype, s.device, s.max_seqs, s.max_len,
-                                                            s.tracing, s.pipelined)
+                                                            s.tracing, s.method, s.target_model, s.pipelined)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the draft actor has loaded its model.
+
+        Raises:
+            ConfigError: the actor failed to start (e.g. a head that does not fit the target); the
+                message carries the actor's own error.
+        """
+        from engine.errors import ConfigError
+
+        try:
+            ray.get(self.member.handle.num_cache_misses.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:
+            lines = [ln for ln in str(e).splitlines() if "Error" in ln and ":" in ln]
+            raise ConfigError(f"draft_model: the draft actor failed to load {self.spec.draft_model!r}: "
+                              f"{lines[-1].strip() if lines else e}") from e
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         from observability import inject_context, is_enabled
@@ -173,8 +248,12 @@ class RemoteDrafter:
         release, self._released = self._released, []
         carrier = inject_context() if is_enabled() else None  # the draft.propose span, this thread
         try:
-            wire = self._call((requests_to_wire(requests), release, carrier))
+            wire = self._call((requests_to_wire(requests, self._shipped), release, carrier))
+            if missed := [i for i, w in enumerate(wire) if w.get("miss")]:  # resend whole feature histories
+                for i, w in zip(missed, self._call((requests_to_wire([requests[i] for i in missed]), [], None))):
+                    wire[i] = w
         except Exception as e:  # draft failure: speculation off for this step only
+            self._shipped.clear()  # the actor may have lost (or never got) what was sent
             self.num_failures += 1
             log.warning("draft actor failed (%s: %s); step runs without speculation", type(e).__name__, e)
             if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
@@ -182,6 +261,8 @@ class RemoteDrafter:
             return [DraftProposal([]) for _ in requests]
         out = []
         for r, w in zip(requests, wire):
+            if r.features is not None:
+                self._shipped[r.seq_id] = r.features.shape[0]
             if r.generator is not None and w["generator"] is not None:
                 r.generator.set_state(torch.from_numpy(np.frombuffer(w["generator"], dtype=np.uint8).copy()))
             probs = None if w["probs"] is None else torch.from_numpy(np.array(w["probs"], copy=True))
@@ -204,6 +285,7 @@ class RemoteDrafter:
         """Forget ``seq_id``'s draft cache: sent with the next proposal call, or on its own once
         ``MAX_PENDING_RELEASES`` pile up (nothing drafting, e.g. every request at k = 0)."""
         self._released.append(seq_id)
+        self._shipped.pop(seq_id, None)
         if len(self._released) >= MAX_PENDING_RELEASES:
             release, self._released = self._released, []
             try:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import msgspec
 import torch
@@ -114,6 +115,7 @@ class VerifierServer:
         from engine.drafters.base import NoneDrafter
         from engine.drafters.ngram import NgramDrafter
         from engine.loader import load_model, resolve_dtype
+        from engine.model.eagle3 import load_eagle3_config
 
         e, x = self.config.engine, self.config.experts
         router = None
@@ -122,13 +124,19 @@ class VerifierServer:
                                   graph=x.transport == "compiled_graph")
         target = load_model(e.model, e.dtype, e.device, experts=router, skip_tokenizer_init=e.skip_tokenizer_init,
                             compile=e.compile)
-        if e.speculative_method == "draft":
+        if e.speculative_method in ("draft", "eagle3"):
             d = self.config.draft
             tracing = msgspec.to_builtins(self.config.tracing) if self.config.tracing else None
+            # EAGLE-3: the head's fit to the target is checked here, before any actor starts.
+            layers = load_eagle3_config(Path(e.draft_model), target.config).layer_ids \
+                if e.speculative_method == "eagle3" else ()
             spec = DraftActorSpec(e.draft_model, e.dtype, e.device, e.scheduler.max_num_seqs, e.max_model_len, tracing,
                                   f"specmoe-draft-{self.tag}", x.namespace, d.num_cpus, d.num_gpus,
+                                  e.speculative_method, e.model, layers,
                                   e.pipelined_drafting)
             drafter = RemoteDrafter(spec, x.call_timeout_s, graph_config=x if x.transport == "compiled_graph" else None)
+            if layers:  # a head whose tensors do not load is refused at start-up, not at the first step
+                drafter.wait_ready(self.config.verifier_start_timeout_s)
         elif e.speculative_method == "ngram":
             drafter = NgramDrafter(e.ngram_min_n, e.ngram_max_n)
         else:

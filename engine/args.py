@@ -9,7 +9,7 @@ import msgspec
 from engine.drafters.base import Drafter, NoneDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import ConfigError
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, load_model, resolve_dtype
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.scheduler import SchedulerConfig
 from engine.spec_controller import SpeculativePolicy
@@ -22,9 +22,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     Attributes:
         model: target checkpoint directory.
-        draft_model: draft checkpoint directory (needed by ``speculative_method="draft"``).
-        speculative_method: "draft", "ngram" or None (plain decoding). Defaults to "draft" when a
-            draft model is given.
+        draft_model: draft checkpoint directory (needed by ``speculative_method="draft"``), or the
+            EAGLE-3 head directory with ``"eagle3"`` (:mod:`engine.model.eagle3`).
+        speculative_method: "draft", "eagle3", "ngram" or None (plain decoding). Defaults to
+            "draft" when a draft model is given.
         num_speculative_tokens: default draft length k (0..16); None means 4 with a method. With
             the adaptive policy it is the most a sequence drafts.
         speculative_policy: "adaptive" (default) chooses each sequence's draft length per step,
@@ -49,7 +50,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     model: str
     draft_model: str | None = None
-    speculative_method: Literal["draft", "ngram"] | None = None
+    speculative_method: Literal["draft", "eagle3", "ngram"] | None = None
     num_speculative_tokens: int | None = None
     speculative_policy: SpeculativePolicy = "adaptive"
     pipelined_drafting: bool = False
@@ -65,8 +66,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.speculative_method is None and self.draft_model is not None:
             self.speculative_method = "draft"
-        if self.speculative_method == "draft" and self.draft_model is None:
-            raise ConfigError("speculative_method: 'draft' needs draft_model")
+        if self.speculative_method in ("draft", "eagle3") and self.draft_model is None:
+            raise ConfigError(f"draft_model: speculative_method {self.speculative_method!r} needs draft_model")
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_K if self.speculative_method else 0
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -81,6 +82,12 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """The drafter this config names, sized like the target's scheduler."""
         if self.speculative_method == "ngram":
             return NgramDrafter(self.ngram_min_n, self.ngram_max_n)
+        if self.speculative_method == "eagle3":
+            from engine.drafters.eagle import EagleDrafter
+            from engine.model.eagle3 import Eagle3Head
+
+            head = Eagle3Head(self.draft_model, target.config, target.model.embed, resolve_dtype(self.dtype), self.device)
+            return EagleDrafter(head, self.scheduler.max_num_seqs, max_model_len)
         if self.speculative_method == "draft":
             from engine.drafters.draft_model import DraftModelDrafter
 

@@ -20,6 +20,7 @@ import torch
 
 from engine.detokenizer import SequenceOutputState
 from engine.drafters.base import Drafter, DraftProposal, DraftRequest, NoneDrafter
+from engine.drafters.eagle import FeatureHistory
 from engine.errors import QueueFull
 from engine.loader import LoadedModel
 from engine.model import ForwardBatch
@@ -67,6 +68,10 @@ class LLMEngine:
         self.observer = observer or NullStepObserver()
         self.last_step = StepStats()
         self.drafter = drafter
+        # EAGLE-3: the target layers whose input the drafter reads, kept per sequence.
+        self.feature_layers: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", ()))
+        self.features = FeatureHistory(len(self.feature_layers) * target.config.hidden_size, target.model.dtype,
+                                       target.model.device) if self.feature_layers else None
         self.num_speculative_tokens = num_speculative_tokens
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig())
         self.max_model_len = max_model_len or target.config.max_position_embeddings
@@ -254,7 +259,8 @@ class LLMEngine:
         skips the drafter entirely: no call, no forward, no draft probabilities)."""
         reqs = [
             DraftRequest(seq.seq_id, seq.token_ids, k, seq.params.temperature, seq.params.top_k,
-                         seq.params.top_p, seq.generator)
+                         seq.params.top_p, seq.generator,
+                         self.features.get(seq.seq_id) if self.features is not None else None)
             for seq in decodes
             if (k := decision.k.get(seq.seq_id, 0)) > 0
         ]
@@ -305,12 +311,20 @@ class LLMEngine:
             self.kv.reserve(seq.slot, start + len(toks))
         batch = ForwardBatch.build([s.slot for s in partial + prefills + decodes], new_tokens, starts,
                                    num_logits, self.target.model.device)
+        feats = None
         with self.observer.phase(PHASE_TARGET):
-            logits = self.target.model.forward(batch, self.kv)  # (sum(num_logits), vocab)
-        for seq, toks in zip(partial, chunks):
+            if self.feature_layers:  # features of every new token: only the rejected ones go unused
+                logits, feats = self.target.model.forward_with_features(batch, self.kv, self.feature_layers)
+                feats = list(feats.split(batch.query_lens))
+            else:
+                logits = self.target.model.forward(batch, self.kv)  # (sum(num_logits), vocab)
+        for i, (seq, toks) in enumerate(zip(partial, chunks)):
             seq.num_cached += len(toks)
+            if feats is not None:
+                self.features.append(seq.seq_id, feats[i])
         logits, num_logits, starts = logits[len(partial):], num_logits[len(partial):], starts[len(partial):]
         new_tokens, seqs = new_tokens[len(partial):], prefills + decodes
+        feats = feats[len(partial):] if feats is not None else None
         if not seqs:
             return
         with self.observer.phase(PHASE_VERIFY):
@@ -318,15 +332,18 @@ class LLMEngine:
                                        [s.generator for s in seqs], [s.params for s in seqs])
             out_ids, num_acc = verify(batch)
             rows = torch.split(logits, num_logits)
-            self._emit_all(seqs, starts, new_tokens, draft_lists, rows, out_ids, num_acc)
+            self._emit_all(seqs, starts, new_tokens, draft_lists, rows, out_ids, num_acc, feats)
 
-    def _emit_all(self, seqs, starts, new_tokens, draft_lists, rows, out_ids, num_acc) -> None:
-        """Emit each sequence's accepted run and roll its KV cache back to what it kept."""
+    def _emit_all(self, seqs, starts, new_tokens, draft_lists, rows, out_ids, num_acc, feats) -> None:
+        """Emit each sequence's accepted run and roll its KV cache (and features) back to what it kept."""
         for b, seq in enumerate(seqs):
             emitted = out_ids[b]
-            kept_cache = starts[b] + len(new_tokens[b]) - len(draft_lists[b]) + num_acc[b]
+            kept_new = len(new_tokens[b]) - len(draft_lists[b]) + num_acc[b]
+            kept_cache = starts[b] + kept_new
             self.kv.truncate(seq.slot, kept_cache)
             seq.num_cached = kept_cache
+            if feats is not None:
+                self.features.append(seq.seq_id, feats[b][:kept_new])
             self.controller.observe_acceptance(seq.seq_id, len(draft_lists[b]), num_acc[b])
             if seq.seq_id in self._drafting_ahead and num_acc[b] == len(draft_lists[b]):
                 self.controller.note_drafted_ahead(seq.seq_id, num_acc[b])  # its next window may be ready
@@ -368,6 +385,8 @@ class LLMEngine:
         if seq.seq_id in self._drafting_ahead:
             self._drafting_ahead.discard(seq.seq_id)
             self.num_pipelined_windows["discarded"] += 1
+        if self.features is not None:
+            self.features.release(seq.seq_id)
         self.controller.release(seq.seq_id)
         seq.completion.finish_reason = reason
         seq.completion.stop_reason = stop_reason

@@ -26,6 +26,11 @@ class DraftRequest(msgspec.Struct):
         top_p: the request's top-p (1 disables).
         generator: the request's own generator, the only source of randomness a drafter may use
             for it (so batch composition cannot change its output); None for greedy requests.
+        features: for drafters that read the target's hidden states (EAGLE-3,
+            :attr:`Drafter.feature_layers` non-empty): ``(rows, F)`` target features of positions
+            ``features_start .. len(token_ids) - 2`` (every position the target has run a kept
+            token through); None for other drafters.
+        features_start: position of the first row of ``features``.
     """
 
     seq_id: str
@@ -35,6 +40,8 @@ class DraftRequest(msgspec.Struct):
     top_k: int = 0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 class DraftProposal(msgspec.Struct):
@@ -59,7 +66,12 @@ class DraftProposal(msgspec.Struct):
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the engine needs from any drafter (draft model, n-gram, none)."""
+    """What the engine needs from any drafter (draft model, n-gram, none).
+
+    A drafter may also have ``feature_layers: tuple[int, ...]``: the target layers whose input
+    residual stream it reads (EAGLE-3); the engine then keeps those features per sequence and passes
+    them in :attr:`DraftRequest.features`. Absent or empty: none are computed.
+    """
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """One proposal per request, in order."""

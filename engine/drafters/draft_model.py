@@ -13,6 +13,7 @@ from collections import OrderedDict
 import torch
 
 from engine.drafters.base import DraftProposal, DraftRequest
+from engine.kv_cache import KVCache
 from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.sampling import compute_probs, draw_uniforms, greedy_argmax
@@ -27,18 +28,15 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class DraftModelDrafter:
-    """Proposes tokens with a draft model sharing the target's tokenizer.
+class CachedDrafter:
+    """What model drafters share: an LRU of per-sequence KV slots and the draft sampling rule.
 
     Args:
-        draft: the loaded draft model.
-        max_seqs: sequences whose KV the drafter keeps; the least recently used is evicted.
-        max_len: context window of the draft cache.
+        kv: the drafter's own KV cache (one slot per kept sequence).
     """
 
-    def __init__(self, draft: LoadedModel, max_seqs: int, max_len: int | None = None) -> None:
-        self.draft = draft
-        self.kv = draft.model.new_kv_cache(max_seqs, max_len)
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
         self._slots: OrderedDict[str, int] = OrderedDict()
         self._cached: dict[str, list[int]] = {}
         self.num_cache_misses = 0
@@ -62,6 +60,30 @@ class DraftModelDrafter:
         self._slots[seq_id] = slot
         self._cached[seq_id] = []
         return slot
+
+    def _sample(self, r: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Greedy: argmax, no q needed. Sampling: q from the same temperature/top-k/top-p rule
+        the target uses, drawn with the request's own generator."""
+        if r.temperature == 0 or r.generator is None:
+            return int(greedy_argmax(logits[None])[0]), None
+        q = compute_probs(logits[None], torch.tensor([r.temperature]), torch.tensor([r.top_k]),
+                          torch.tensor([r.top_p], dtype=torch.float32))
+        token = inverse_cdf_sample(q, draw_uniforms(r.generator, 1).to(q.device))
+        return int(token[0]), q[0]
+
+
+class DraftModelDrafter(CachedDrafter):
+    """Proposes tokens with a draft model sharing the target's tokenizer.
+
+    Args:
+        draft: the loaded draft model.
+        max_seqs: sequences whose KV the drafter keeps; the least recently used is evicted.
+        max_len: context window of the draft cache.
+    """
+
+    def __init__(self, draft: LoadedModel, max_seqs: int, max_len: int | None = None) -> None:
+        super().__init__(draft.model.new_kv_cache(max_seqs, max_len))
+        self.draft = draft
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
@@ -102,13 +124,3 @@ class DraftModelDrafter:
             self._cached[r.seq_id] = r.token_ids + tokens[b][:-1]
             self.kv.truncate(slots[b], len(self._cached[r.seq_id]))
         return [DraftProposal(tokens[b], torch.stack(probs[b]) if probs[b] else None) for b in range(len(requests))]
-
-    def _sample(self, r: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Greedy: argmax, no q needed. Sampling: q from the same temperature/top-k/top-p rule
-        the target uses, drawn with the request's own generator."""
-        if r.temperature == 0 or r.generator is None:
-            return int(greedy_argmax(logits[None])[0]), None
-        q = compute_probs(logits[None], torch.tensor([r.temperature]), torch.tensor([r.top_k]),
-                          torch.tensor([r.top_p], dtype=torch.float32))
-        token = inverse_cdf_sample(q, draw_uniforms(r.generator, 1).to(q.device))
-        return int(token[0]), q[0]

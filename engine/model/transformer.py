@@ -114,26 +114,42 @@ class Transformer:
         return KVCache(c.num_layers, max_seqs, max_len or c.max_position_embeddings, c.num_kv_heads,
                        c.head_dim, self.dtype, self.device)
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Run new tokens of every sequence in ``batch`` and return float32 logits.
 
         Returns:
             ``(len(batch.logits_indices), vocab_size)`` float32 logits of the selected rows.
         """
+        return self.forward_with_features(batch, kv, ())[0]
+
+    @torch.inference_mode()
+    def forward_with_features(self, batch: ForwardBatch, kv: KVCache,
+                              layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`, plus the residual stream entering each layer of ``layer_ids`` for every
+        new token (what an EAGLE-3 head reads; vLLM's ``aux_hidden_states`` convention: id ``i``
+        is the input of layer ``i``, id 0 the embeddings).
+
+        Returns:
+            the logits, and ``(num_tokens, len(layer_ids) * hidden)`` features in ``layer_ids``
+            order (None when ``layer_ids`` is empty).
+        """
         x = F.embedding(batch.input_ids, self.embed)  # (num_tokens, hidden)
+        captured: dict[int, torch.Tensor] = {}
         plan = plan_attention(batch, self.config.sliding_window)  # the same for every layer
         cos, sin = self.rotary.cos_sin(batch.positions, plan.max_kv)
         c, dense = self.config, self.dense
         for i, layer in enumerate(self.layers):
+            if i in layer_ids:
+                captured[i] = x
             a = layer.attn
             q, k, v = dense.attention_inputs(x, layer.input_norm, a.wqkv, a.bqkv, a.qk_norm, cos, sin,
                                              c.rms_norm_eps, c.num_heads, c.num_kv_heads)
             out = attention(q, k, v, kv.k[i], kv.v[i], batch, plan)
             x, h = dense.attention_output(out, x, a.wo, a.bo, layer.post_attn_norm, c.rms_norm_eps)
             x = x + self._mlp(i, layer, h)
+        features = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
         x = rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return F.linear(x, self.lm_head).float(), features
 
     def _mlp(self, i: int, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         if layer.router is None:

@@ -48,3 +48,39 @@ def make_checkpoint(arch: str, out_dir: Path, seed: int = 0):
     model.save_pretrained(out_dir)
     byte_tokenizer().save(str(out_dir / "tokenizer.json"))
     return model
+
+
+def make_eagle3_head(out_dir: Path, seed: int = 0, layer_ids: tuple[int, ...] = (0, 1, 1), draft_vocab: int = 96,
+                     hidden: int = 32, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """Save a random EAGLE-3 head for the tiny targets above (hidden 32, 2 layers, vocab VOCAB) in the
+    published layout (``midlayer.*``, ``d2t``/``t2d``, no embedding); returns its tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, inter = 4, 2, 8, 48
+    rand = lambda *shape: torch.randn(*shape, generator=g) * scale  # noqa: E731
+    norm = lambda: 1 + rand(hidden)  # noqa: E731
+    draft_ids = torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors = {
+        "fc.weight": rand(hidden, 3 * 32), "midlayer.input_layernorm.weight": norm(),
+        "midlayer.hidden_norm.weight": norm(), "midlayer.post_attention_layernorm.weight": norm(),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden), "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter), "norm.weight": norm(),
+        "lm_head.weight": rand(draft_vocab, hidden) * 5, "d2t": draft_ids - torch.arange(draft_vocab), "t2d": t2d,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "intermediate_size": inter,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": VOCAB,
+        "draft_vocab_size": draft_vocab, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}))
+    return tensors
