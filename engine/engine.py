@@ -155,7 +155,7 @@ class LLMEngine:
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")
         decodes = [s for s in self.scheduler.running if not s.num_prompt_tokens_left]
-        self.slo.check(params, len(prompt_token_ids), sum(self._decode_cost(s, True) for s in decodes))
+        self.slo.check(params, len(prompt_token_ids), decodes)
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request; its KV slots are freed now. Returns False if it was not running."""
@@ -182,7 +182,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + draft + verify step; return the requests that progressed."""
         decodes = [s for s in self.scheduler.running if not s.num_prompt_tokens_left]
-        limit = self.slo.prefill_limit(decodes, sum(1 + k for k in self.controller.last.k.values()))
+        limit = self.slo.prefill_limit(decodes, sum(self.slo.decode_tokens(s) for s in decodes))
         sched = self.scheduler.schedule(self.kv.num_free, self._decode_cost, limit)
         if sched.empty:
             return []
@@ -247,7 +247,8 @@ class LLMEngine:
         final = sum(1 for s in sched.prefills if sched.chunks[s.seq_id] == s.num_prompt_tokens_left)
         catchup = {s.seq_id: s.num_tokens - s.num_draft_seen for s in sched.decodes}
         remaining = {s.seq_id: s.params.max_tokens - s.num_output_tokens for s in sched.decodes}
-        decision = self.controller.plan(caps, base, final, fixed, catchup, remaining)
+        decision = self.controller.plan(caps, base, final, fixed, catchup, remaining,
+                                        self.slo.tpot_slack(sched.decodes))
         for k in decision.k.values():
             self.draft_length_counts[k] += 1
         if sched.decodes and not any(decision.k.values()):

@@ -6,7 +6,8 @@ served, while KV slots and ``max_num_seqs`` allow (Orca, Yu et al. 2022; vLLM's 
 chunked prefill (the default) a prompt is split across steps into chunks that fill what the
 decodes leave of the budget, so a long prompt never stalls the running decodes for a whole
 prefill (Sarathi-Serve's stall-free batching, Agrawal et al. 2024): a partly prefilled sequence
-continues before new ones are admitted.
+continues before new ones are admitted, except with ``scheduling_policy: slo``, where started and
+waiting prompts share one earliest-deadline-first order.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Scheduler:
         self._keys: list[tuple] = []  # sort key of each waiting sequence, same order
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
+        self._key_of: dict[str, tuple] = {}  # seq_id -> its sort key, waiting or running
 
     def _key(self, seq: Sequence) -> tuple:
         order = next(self._arrivals)
@@ -126,14 +128,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        key = self._key(seq)
+        key = self._key_of[seq.seq_id] = self._key(seq)
         i = bisect.bisect_right(self._keys, key)
         self._keys.insert(i, key)
         self.waiting.insert(i, seq)
-
-    def _pop_waiting(self) -> Sequence:
-        self._keys.pop(0)
-        return self.waiting.pop(0)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence from whichever queue holds it (finished, aborted or failed)."""
@@ -142,7 +140,49 @@ class Scheduler:
         elif seq in self.waiting:
             i = self.waiting.index(seq)
             del self.waiting[i], self._keys[i]
+        self._key_of.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
+
+    def key_of(self, seq: Sequence) -> tuple:
+        """The sequence's place in ``scheduling_policy`` order (smaller runs earlier)."""
+        return self._key_of[seq.seq_id]
+
+    def prefill_tokens_ahead(self, priority: int, ttft_deadline_s: float) -> int:
+        """Prompt tokens the scheduler would prefill before a request arriving now with this
+        priority and TTFT deadline (monotonic s): every started and waiting prompt under "fcfs";
+        started ones and those of no greater priority under "priority"; under "slo" those with
+        an earlier or equal (priority, deadline)."""
+        started = [s for s in self.running if s.num_prompt_tokens_left]
+        policy = self.config.scheduling_policy
+        if policy == "fcfs":
+            ahead = started + self.waiting
+        elif policy == "priority":
+            ahead = started + [s for s in self.waiting if self.key_of(s)[0] <= priority]
+        else:
+            ahead = [s for s in started + self.waiting if self.key_of(s)[:2] <= (priority, ttft_deadline_s)]
+        return sum(s.num_prompt_tokens_left for s in ahead)
+
+    def prefill_budget(self, decode_tokens: int, prefill_limit: int | None) -> int:
+        """Prefill tokens a step has beside decodes of ``decode_tokens`` target tokens: what they
+        leave of ``max_num_batched_tokens``, capped by ``prefill_limit`` with chunked prefill."""
+        budget = self.config.max_num_batched_tokens - decode_tokens
+        if prefill_limit is not None and self.config.enable_chunked_prefill:
+            budget = min(budget, prefill_limit)
+        return budget
+
+    def prefill_tokens_per_step(self, decode_tokens: int, prefill_limit: int | None) -> int:
+        """Prefill tokens the oldest prompt gets in such a step: the budget, or with chunked
+        prefill ``MIN_PREFILL_CHUNK`` when the budget is smaller."""
+        budget = self.prefill_budget(decode_tokens, prefill_limit)
+        return max(budget, MIN_PREFILL_CHUNK) if self.config.enable_chunked_prefill else budget
+
+    def _prefill_order(self, started: list[Sequence]) -> list[Sequence]:
+        """Prompts to prefill this step, in order: with "slo" started and waiting prompts by
+        earliest TTFT deadline (a long prompt mid-prefill does not hold back one due sooner);
+        otherwise started prompts first (oldest first), then the waiting queue."""
+        if self.config.scheduling_policy != "slo":
+            return started + self.waiting
+        return sorted(started + self.waiting, key=self.key_of)
 
     def schedule(self, num_free_slots: int, decode_cost: Callable[[Sequence, bool], int],
                  prefill_limit: int | None = None) -> SchedulerOutput:
@@ -160,32 +200,33 @@ class Scheduler:
         out = SchedulerOutput(speculate=speculate)
         for seq in self.running:
             (out.prefills if seq.num_prompt_tokens_left else out.decodes).append(seq)
-        budget = cfg.max_num_batched_tokens - sum(decode_cost(s, speculate) for s in out.decodes)
-        if prefill_limit is not None and cfg.enable_chunked_prefill:
-            budget = min(budget, prefill_limit)
-        for i, seq in enumerate(out.prefills):  # continuing chunked prefills before new admissions
-            # The oldest always progresses, even when the decodes' draft caps use the whole budget.
-            room = max(budget, MIN_PREFILL_CHUNK if i == 0 else 0)
-            out.chunks[seq.seq_id] = n = min(seq.num_prompt_tokens_left, room)
-            budget -= n
-        out.prefills = [s for s in out.prefills if out.chunks[s.seq_id]]
-        admitted = []
-        while self.waiting and num_free_slots > 0 and len(self.running) + len(admitted) < cfg.max_num_seqs:
-            need = len(self.waiting[0].prompt_token_ids)
-            if cfg.enable_chunked_prefill:
-                # The first prefill of a step always progresses (as a continuing one does).
-                floor = MIN_PREFILL_CHUNK if not out.prefills and not admitted else 0
-                chunk = min(need, max(budget, floor))
+        budget = self.prefill_budget(sum(decode_cost(s, speculate) for s in out.decodes), prefill_limit)
+        started, out.prefills, admitted = out.prefills, [], []
+        for seq in self._prefill_order(started):
+            # The first prefill of a step always progresses, even when the decodes' draft caps
+            # use the whole budget.
+            floor = MIN_PREFILL_CHUNK if not out.prefills else 0
+            if seq.status is SeqStatus.RUNNING:  # a started chunked prefill continues
+                chunk = min(seq.num_prompt_tokens_left, max(budget, floor))
+            elif not (num_free_slots > 0 and len(self.running) + len(admitted) < cfg.max_num_seqs):
+                continue
+            elif cfg.enable_chunked_prefill:
+                chunk = min(len(seq.prompt_token_ids), max(budget, floor))
             else:  # whole prompts only; a long one when it is the only work
+                need = len(seq.prompt_token_ids)
                 chunk = need if need <= budget or (not admitted and not self.running) else 0
             if chunk <= 0:
-                break
-            seq = self._pop_waiting()
-            seq.status = SeqStatus.RUNNING
-            admitted.append(seq)
+                if seq.status is SeqStatus.RUNNING:
+                    continue
+                break  # the queue stays in order: nothing behind an unadmitted prompt is admitted
+            if seq.status is not SeqStatus.RUNNING:
+                i = self.waiting.index(seq)
+                del self.waiting[i], self._keys[i]
+                seq.status = SeqStatus.RUNNING
+                admitted.append(seq)
+                num_free_slots -= 1
+            out.prefills.append(seq)
             out.chunks[seq.seq_id] = chunk
             budget -= chunk
-            num_free_slots -= 1
-        out.prefills += admitted
         self.running.extend(admitted)
         return out

@@ -9,6 +9,7 @@ token) / (output tokens - 1); a request meets its SLO iff every budget its class
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -70,25 +71,36 @@ class SLOPolicy:
     def config(self):
         return self.scheduler.config
 
-    def check(self, params, prompt_len: int, reserved_tokens: int) -> None:
-        """Raise ValueError for an unknown class; DeadlineUnattainable when the prefill work
-        queued ahead (waiting and partly prefilled sequences) cannot finish within
-        the class's TTFT budget at ``max_num_batched_tokens - reserved_tokens`` prefill tokens
-        per step."""
+    def check(self, params, prompt_len: int, decodes) -> None:
+        """Raise ValueError for an unknown class; DeadlineUnattainable when the prefill work the
+        scheduler would run before this request (``Scheduler.prefill_tokens_ahead``), its own
+        prompt included, cannot finish within the class's TTFT budget beside the running
+        ``decodes`` (:func:`wait_estimate_s`)."""
         if params.slo_class is not None and params.slo_class not in self.config.slo_classes:
             raise ValueError(f"slo_class: {params.slo_class!r} is not one of {sorted(self.config.slo_classes)}")
         slo = self.config.slo_for(params.slo_class)[1]
         if not self.config.refuse_unattainable_ttft or slo is None or slo.ttft_ms is None:
             return
-        ahead = sum(len(s.prompt_token_ids) for s in self.scheduler.waiting)
-        ahead += sum(s.num_prompt_tokens_left for s in self.scheduler.running)
-        per_step = self.config.max_num_batched_tokens - reserved_tokens
-        step_s = self.controller.predict_step_s(self.config.max_num_batched_tokens)
-        wait_s = wait_estimate_s(ahead + prompt_len, per_step, step_s)
+        deadline_s = time.monotonic() + slo.ttft_ms / 1e3
+        ahead = self.scheduler.prefill_tokens_ahead(params.priority, deadline_s) + prompt_len
+        reserved = sum(self.decode_tokens(s) for s in decodes)
+        per_step = self.scheduler.prefill_tokens_per_step(reserved, self.prefill_limit(decodes, reserved))
+        wait_s = wait_estimate_s(ahead, per_step, reserved, self.step_predictor())
         if wait_s * 1e3 > slo.ttft_ms:
             raise DeadlineUnattainable(
                 f"slo_class {self.config.slo_for(params.slo_class)[0]!r}: the TTFT budget of {slo.ttft_ms:g} ms "
                 f"cannot be met (about {wait_s * 1e3:.0f} ms of prefill work is queued); retry later")
+
+    def decode_tokens(self, seq) -> int:
+        """Target tokens a decoding sequence takes in a step: 1 + its draft length last step."""
+        return 1 + self.controller.last.k.get(seq.seq_id, 0)
+
+    def step_predictor(self) -> Callable[[int], float]:
+        """Predicted step seconds for a number of target tokens: the target forward and, drafting
+        as the last step did, the draft phase (learned online; 0 before any step)."""
+        ks = list(self.controller.last.k.values())
+        passes, drafted = max(ks, default=0), sum(ks)
+        return lambda tokens: self.controller.predict_step_s(tokens, passes, drafted)
 
     def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
         """Prefill tokens this step may take so the running decodes keep their TPOT budgets."""
@@ -97,7 +109,20 @@ class SLOPolicy:
         if not budgets:
             return None
         return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
-                                   self.controller.predict_step_s)
+                                   self.step_predictor())
+
+    def tpot_slack(self, decodes) -> dict[str, tuple[float, float]]:
+        """(TPOT budget s, slack s) per decoding sequence with a TPOT budget, for the speculation
+        controller: slack = budget x output tokens after the first - seconds since the first
+        token (negative: behind its budget)."""
+        now, out = time.monotonic(), {}
+        for seq in decodes:
+            slo = self.config.slo_for(seq.params.slo_class)[1]
+            first_s = seq.request.metrics.first_token_time_s
+            if slo is not None and slo.tpot_ms is not None and first_s is not None:
+                budget_s = slo.tpot_ms / 1e3
+                out[seq.seq_id] = (budget_s, budget_s * max(seq.num_output_tokens - 1, 0) - (now - first_s))
+        return out
 
     def record(self, request: RequestOutput, params) -> None:
         """Count a finished request against its class's budget (classless requests are not counted)."""
@@ -115,12 +140,16 @@ class SLOPolicy:
         return {k: list(v) for k, v in self.counts.items()}
 
 
-def wait_estimate_s(tokens_ahead: int, prefill_tokens_per_step: int, step_s: float) -> float:
+def wait_estimate_s(tokens_ahead: int, prefill_tokens_per_step: int, decode_tokens: int,
+                    predict_step_s: Callable[[int], float]) -> float:
     """Seconds until ``tokens_ahead`` prefill tokens (this prompt's included) are through, at
-    ``prefill_tokens_per_step`` per step of ``step_s`` seconds."""
+    ``prefill_tokens_per_step`` a step beside ``decode_tokens`` decode tokens, each step's time
+    predicted by ``predict_step_s`` (target tokens -> s): full steps, then the remainder."""
     if prefill_tokens_per_step <= 0:
         return math.inf
-    return math.ceil(tokens_ahead / prefill_tokens_per_step) * step_s
+    steps, rest = divmod(tokens_ahead, prefill_tokens_per_step)
+    full_s = steps * predict_step_s(decode_tokens + prefill_tokens_per_step)
+    return full_s + (predict_step_s(decode_tokens + rest) if rest else 0.0)
 
 
 def prefill_token_limit(tpot_budgets_ms: list[float], decode_tokens: int, max_tokens: int,

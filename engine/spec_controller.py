@@ -128,7 +128,8 @@ class SpeculationController:
     # ------------------------------------------------------------------ decisions
     def plan(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int = 0,
              fixed: dict[str, int] | None = None, catchup: dict[str, int] | None = None,
-             remaining: dict[str, int] | None = None) -> Decision:
+             remaining: dict[str, int] | None = None,
+             tpot: dict[str, tuple[float, float]] | None = None) -> Decision:
         """Draft lengths for this step.
 
         Args:
@@ -145,6 +146,12 @@ class SpeculationController:
             remaining: per sequence, output tokens it may still produce. A catch-up backlog (a
                 prompt, a long k = 0 phase) is paid once but pays off over every remaining step, so
                 beyond one step's worth of tokens it is charged ``E[tokens] / remaining`` a step.
+            tpot: per sequence with a TPOT budget, (budget s, slack s): slack is how far ahead of
+                its budget it is (budget x tokens after the first - time since the first token;
+                negative: behind). Only draft totals whose predicted step keeps every such
+                sequence within budget are chosen (step <= budget x E[its tokens] + slack), or,
+                when none does, those that miss it least: a sequence behind its budget shortens
+                drafts that would stretch the step more than they emit.
         """
         fixed = fixed or {}
         if self.policy == "fixed" or self.max_k == 0 or not caps or not any(caps.values()):
@@ -162,7 +169,8 @@ class SpeculationController:
         else:
             glob = self._global_acceptance()  # once per step: every sequence's estimate shrinks toward it
             decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
-                                      self._amortised(caps, catchup or {}, remaining or {}, glob), glob)
+                                      self._amortised(caps, catchup or {}, remaining or {}, glob), glob,
+                                      tpot or {})
             self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
         decision.k.update(fixed)
         self._ready.clear()  # a window drafted ahead is good for the next step only
@@ -195,7 +203,8 @@ class SpeculationController:
         return out
 
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
-                  fixed: dict[str, int], catchup: dict[str, float], glob: np.ndarray) -> Decision:
+                  fixed: dict[str, int], catchup: dict[str, float], glob: np.ndarray,
+                  tpot: dict[str, tuple[float, float]]) -> Decision:
         ids = list(caps)
         gains = self._gains(ids, caps, glob)  # (B, max_k), zero beyond each cap
         ready = self._ready_probability(ids, glob)
@@ -225,6 +234,8 @@ class SpeculationController:
         step_s = np.maximum(draft_s + target_s, 1e-6)
         step_s *= np.where(drafted > 0, self.calibration[True], self.calibration[False])
         rate = expected / step_s
+        if tpot:
+            rate = np.where(self._within_tpot(ids, gains, order, step_s, tpot), rate, -np.inf)
         best = int(np.argmax(rate))
         best_on = int(np.argmax(rate[1:])) + 1 if len(n) > 1 else 0
         h = self.settings.hysteresis
@@ -237,6 +248,20 @@ class SpeculationController:
         for row in rows:
             k[ids[row]] += 1
         return Decision(k, "adaptive", float(expected[best]), float(step_s[best]))
+
+    def _within_tpot(self, ids: list[str], gains: np.ndarray, order: np.ndarray, step_s: np.ndarray,
+                     tpot: dict[str, tuple[float, float]]) -> np.ndarray:
+        """Which draft totals n (0..len(order)) keep the budgeted sequences within their TPOT
+        budgets, or, when none does, miss them least: bool ``(len(order) + 1,)``."""
+        rows = [i for i, sid in enumerate(ids) if sid in tpot]
+        if not rows:
+            return np.ones(len(step_s), dtype=bool)
+        budget_s, slack_s = (np.array([tpot[ids[i]][j] for i in rows]) for j in (0, 1))
+        taken = np.zeros((len(order), len(ids)))  # gain each added draft position brings its sequence
+        taken[np.arange(len(order)), order // self.max_k] = gains.ravel()[order]
+        tokens = 1.0 + np.vstack([np.zeros(len(ids)), np.cumsum(taken, 0)])[:, rows]  # E[emitted] per n
+        miss_s = (step_s[:, None] - budget_s * tokens - slack_s).max(1)
+        return miss_s <= max(0.0, float(miss_s.min()))
 
     def predict_step_s(self, num_target_tokens: int, passes: int = 0, num_drafted: int = 0) -> float:
         """Predicted seconds of a step with this many target tokens and draft work (0 before

@@ -153,6 +153,34 @@ def test_backpressure_answers_503_with_retry_after(served):
     _wait_idle(handle, timeout_s=30)
 
 
+def test_unattainable_ttft_budget_answers_503_with_retry_after_and_admitted_requests_finish(served):
+    """Deadline refusal through HTTP: a request of the session app's ``instant`` class (1 us TTFT
+    budget, never attainable once the cost model has seen a step) is refused at once with 503 +
+    Retry-After in the OpenAI error shape while admitted requests run; they all finish whole."""
+    url, config, handle = served
+    body = {"model": MODEL_NAME, "prompt": "import sys\n", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    assert httpx.post(url + C, json=body, timeout=120).status_code == 200  # the cost model has seen steps
+    before = _engine_stats(handle)["slo_attainment"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            admitted = [asyncio.create_task(client.post(url + C, json=body)) for _ in range(4)]
+            while (await handle.stats.remote())["num_running"] == 0:
+                await asyncio.sleep(0.01)  # the admitted requests are running
+            refused = await client.post(url + C, json={**body, "slo_class": "instant", "stream": True})
+            return refused, await asyncio.gather(*admitted)
+
+    refused, admitted = asyncio.run(run())
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert error["type"] == "server_overloaded" and "'instant'" in error["message"] and "TTFT budget" in error["message"]
+    assert [r.status_code for r in admitted] == [200] * 4
+    assert [r.json()["usage"]["completion_tokens"] for r in admitted] == [24] * 4
+    after = _wait_idle(handle)["slo_attainment"]
+    assert after["interactive"][1] - before["interactive"][1] == 4  # every admitted request finished
+    assert "instant" not in after  # the refused one never ran
+
+
 def test_killing_an_expert_actor_mid_batch_changes_no_output(served, reference_llm, heldout_prompts):
     url, config, handle = served
     prompts = [row["prompt"] for row in heldout_prompts[5::23][:8]]

@@ -19,7 +19,8 @@ class ScriptedController(SpeculationController):
         super().__init__(16, "adaptive")
         self.script, self.calls = script, 0
 
-    def plan(self, caps, num_base_tokens, num_prefills=0, fixed=None, catchup=None, remaining=None) -> Decision:
+    def plan(self, caps, num_base_tokens, num_prefills=0, fixed=None, catchup=None, remaining=None,
+             tpot=None) -> Decision:
         k = self.script[self.calls % len(self.script)]
         self.calls += 1
         return Decision({sid: min(c, k + i % 2) if k else 0 for i, (sid, c) in enumerate(caps.items())}, "adaptive")

@@ -1,5 +1,6 @@
 """Latency budgets in the scheduler: priorities, earliest-deadline order, refusal, attainment."""
 
+import msgspec
 import pytest
 
 from engine.drafters.base import NoneDrafter
@@ -8,7 +9,7 @@ from engine.errors import QueueFull
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.slo import DeadlineUnattainable, SLOClass, prefill_token_limit, request_slo_met
+from engine.slo import DeadlineUnattainable, SLOClass, prefill_token_limit, request_slo_met, wait_estimate_s
 from tests.engine.bundled import loaded_target, prompt_ids
 
 CLASSES = {"interactive": SLOClass(ttft_ms=100.0, tpot_ms=50.0), "batch": SLOClass(ttft_ms=60_000.0),
@@ -138,3 +139,54 @@ def test_tpot_budgets_cap_the_prefill_chunk():
     assert limit is not None and 100 < limit < 900
     out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limit)
     assert out.chunks["long-0"] == limit and [s.seq_id for s in out.decodes] == ["short-0"]
+
+
+def test_slo_policy_puts_a_due_prompt_before_a_started_long_prefill():
+    """Chunked prefill at 64 tokens a step: a 300-token batch prompt is mid-prefill when a short
+    interactive one (deadline 100 ms) arrives; under "slo" the short one takes the next chunk
+    first, under "fcfs" the started prefill keeps the whole budget."""
+    long, short = [t for q in prompt_ids(4, 120) for t in q][:300], prompt_ids(5, 40)[4]
+    chunks = {}
+    for policy in ("slo", "fcfs"):
+        engine = LLMEngine(loaded_target(), NoneDrafter(), 0, SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy=policy, slo_classes=CLASSES))
+        engine.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=2, slo_class="batch"))
+        engine.step()
+        engine.add_request("short", short, SamplingParams(temperature=0.0, max_tokens=2, slo_class="interactive"))
+        chunks[policy] = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost).chunks
+    assert chunks["slo"] == {"short-0": len(short), "long-0": 64 - len(short)}
+    assert chunks["fcfs"] == {"long-0": 64}
+
+
+def test_refusal_counts_only_the_prefill_work_scheduled_ahead():
+    """Eight queued batch prompts (60 s deadlines) delay an interactive request under "fcfs" but
+    not under "slo", where its earlier deadline puts it first: refused there, admitted here."""
+    p = prompt_ids(12, 200)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    outcome = {}
+    for policy in ("fcfs", "slo"):
+        engine = engine_with(policy, seqs=4, refuse_unattainable_ttft=True)
+        for i in range(3):  # the cost model learns real step times
+            engine.add_request(f"warm{i}", p[i], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        budget_ms = 5 * engine.controller.predict_step_s(64) * 1e3
+        engine.scheduler.config = msgspec.structs.replace(
+            engine.scheduler.config, max_num_batched_tokens=64,
+            slo_classes={**CLASSES, "interactive": SLOClass(ttft_ms=budget_ms)})
+        for i in range(8):  # 1600 tokens at 64 a step: 25 steps ahead under fcfs
+            engine.add_request(f"q{i}", p[i], SamplingParams(temperature=0.0, max_tokens=4, slo_class="batch"))
+        try:
+            engine.add_request("urgent", p[9][:100], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                    slo_class="interactive"))
+            outcome[policy] = "admitted"
+        except DeadlineUnattainable:
+            outcome[policy] = "refused"
+    assert outcome == {"fcfs": "refused", "slo": "admitted"}
+
+
+def test_wait_estimate_is_full_steps_then_the_remainder():
+    linear = lambda tokens: 0.005 + 0.0001 * tokens  # noqa: E731
+    assert wait_estimate_s(130, 64, 10, linear) == pytest.approx(2 * linear(74) + linear(12))
+    assert wait_estimate_s(128, 64, 10, linear) == pytest.approx(2 * linear(74))
+    assert wait_estimate_s(10, 0, 10, linear) == float("inf")

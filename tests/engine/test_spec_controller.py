@@ -195,3 +195,29 @@ def test_calibration_is_measured_over_predicted_time_per_mode():
     assert ctl.calibration[True] == pytest.approx(30 / 22, rel=0.1)
     assert ctl.calibration[False] == pytest.approx(10 / 18, rel=0.1)
     assert ctl.predict_step_s(4) == pytest.approx(0.010, rel=0.15)
+
+
+def adaptive_plan(ctl, caps, **kw):
+    """The controller's own (non-probe) choice for this step's state."""
+    while (decision := ctl.plan(caps, len(caps), **kw)).reason != "adaptive":
+        pass
+    return decision
+
+
+def test_a_tpot_budget_shortens_drafts_that_stretch_the_step_more_than_they_emit():
+    """'easy' (acceptance 0.95) pays for k = 8; 'hard' (0.1) gains little from drafting but waits
+    for every draft pass: 10 ms + 2 ms a pass must stay within 15 ms x E[hard's tokens] + slack."""
+    sim = SyntheticStep(d_pass=0.002, c0=0.01)
+    caps = {"easy": 8, "hard": 8}
+    ctl = controller()
+    sim.run(ctl, caps, {"easy": 0.95, "hard": 0.1}, np.random.default_rng(5), 150)
+    free = adaptive_plan(ctl, caps)
+    assert free.k["easy"] == 8
+    assert adaptive_plan(ctl, caps, tpot={"hard": (1.0, 0.0)}).k == free.k  # a generous budget changes nothing
+    tight = adaptive_plan(ctl, caps, tpot={"hard": (0.015, 0.0)})
+    drafted, passes = sum(tight.k.values()), max(tight.k.values())
+    hard_tokens = 1 + np.cumprod(ctl.acceptance("hard"))[: tight.k["hard"]].sum()
+    assert 2 <= passes < 8
+    assert ctl.predict_step_s(2 + drafted, passes, drafted) <= 0.015 * hard_tokens
+    behind = adaptive_plan(ctl, caps, tpot={"hard": (0.015, -0.02)})  # 20 ms behind: no step fits
+    assert behind.k == {"easy": 0, "hard": 0}  # the shortest step misses the budget least
