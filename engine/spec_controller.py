@@ -343,11 +343,14 @@ class SpeculationController:
             # In log space with the step's deviation clipped: one stalled step moves it by 22 % at most.
             dev = np.clip(np.log(max(draft_s + target_s, 1e-9) / predicted / self.calibration[mode]), -1.0, 1.0)
             self.calibration[mode] *= float(np.exp(rate * dev))
+        # Warm-up and probe steps exist to inform the fit (lengths the controller would not pick):
+        # they count in full; its own choices are Huber-weighted against stalls.
+        robust = self.last.reason not in ("warmup", "probe")
         if num_drafted > 0:
-            self.draft_cost.observe([1.0, passes, num_drafted, num_catchup], draft_s)
+            self.draft_cost.observe([1.0, passes, num_drafted, num_catchup], draft_s, robust)
         if distinct_experts is not None:
             self.activation.observe(num_target_tokens, distinct_experts)
-        self.target_cost.observe([1.0, num_target_tokens, experts], target_s)
+        self.target_cost.observe([1.0, num_target_tokens, experts], target_s, robust)
 
     def release(self, seq_id: str) -> None:
         """Forget a finished sequence's estimates."""

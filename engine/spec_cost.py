@@ -32,30 +32,34 @@ class OnlineLinearCost:
         ridge: regulariser, relative to each feature's weighted energy (diagonal of the Gram matrix).
         huber: residuals beyond ``huber`` times the running residual scale are down-weighted.
         warmup: observations taken at full weight before the residual scale is trusted.
+        relative_floor: the residual scale is at least this fraction of the prediction.
     """
 
     def __init__(self, num_features: int, forgetting: float = 0.97, ridge: float = 1e-3, huber: float = 2.0,
-                 warmup: int = 8) -> None:
+                 warmup: int = 8, relative_floor: float = 0.05) -> None:
         self.xtx = np.zeros((num_features, num_features))
         self.xty = np.zeros(num_features)
         self.forgetting, self.ridge, self.huber, self.warmup = forgetting, ridge, huber, warmup
+        self.relative_floor = relative_floor
         self.num_observations = 0
         self.theta = np.zeros(num_features)
         self.residual_scale_s = 0.0  # EW mean absolute residual of the (weighted) fit, seconds
 
-    def observe(self, features: list[float], seconds: float) -> None:
-        """Add one measured step: ``features`` (len num_features), ``seconds`` its duration."""
+    def observe(self, features: list[float], seconds: float, robust: bool = True) -> None:
+        """Add one measured step: ``features`` (len num_features), ``seconds`` its duration;
+        ``robust=False`` takes it at full weight (a deliberately informative step, e.g. a probe)."""
         x = np.asarray(features, dtype=np.float64)
-        residual = abs(seconds - float(x @ self.theta))
-        w = 1.0
-        if self.num_observations >= self.warmup and residual > self.huber * self.residual_scale_s > 0:
-            w = self.huber * self.residual_scale_s / residual
+        predicted = float(x @ self.theta)
+        residual = abs(seconds - predicted)
+        # Never trust the scale below a relative floor: a fit that is exact on its usual points
+        # must still learn from a rare, informative one (a probe of another draft length).
+        limit = self.huber * max(self.residual_scale_s, self.relative_floor * abs(predicted))
+        trusted = self.num_observations >= self.warmup
+        w = limit / residual if robust and trusted and residual > limit > 0 else 1.0
         # The scale follows the clipped residual, so a run of outliers widens it only gradually.
-        clipped = min(residual, self.huber * self.residual_scale_s) if self.num_observations >= self.warmup \
-            else residual
-        self.residual_scale_s += (clipped - self.residual_scale_s) * (1.0 - self.forgetting if
-                                                                      self.num_observations >= self.warmup else
-                                                                      1.0 / (self.num_observations + 1))
+        clipped = min(residual, limit) if trusted else residual
+        self.residual_scale_s += (clipped - self.residual_scale_s) * \
+            ((1.0 - self.forgetting) if trusted else 1.0 / (self.num_observations + 1))
         self.xtx = self.forgetting * self.xtx + w * np.outer(x, x)
         self.xty = self.forgetting * self.xty + w * x * seconds
         self.num_observations += 1
