@@ -30,6 +30,19 @@ def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
 
 
+def test_ray_not_starting_is_a_clear_startup_error(monkeypatch, capsys):
+    import actors.cluster
+
+    def timed_out(*_args):  # what ray.init raises when its raylet does not register in time
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(actors.cluster, "init_ray", timed_out)
+    monkeypatch.setattr(serve_app, "check_port", lambda *_: None)
+    assert serve_app.main(["--config", "configs/embedded.yaml", "--address", "10.0.0.5:6379"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start: Ray did not start (address '10.0.0.5:6379')" in err and "timed out during startup" in err
+
+
 @pytest.mark.parametrize("cli, env, expected", [
     (None, None, None), (None, "local", None), ("local", "10.0.0.5:6379", None),
     (None, "10.0.0.5:6379", "10.0.0.5:6379"), ("ray://head:10001", "local", "ray://head:10001")])
