@@ -78,7 +78,8 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     to (re)install once Ray is up (``ray.init`` replaces the process's handler with its own).
 
     Raises:
-        StartupError: missing checkpoint, port in use, or the app not becoming healthy in time.
+        StartupError: missing checkpoint, port in use, Ray not starting (or its cluster unreachable), or the
+            app not becoming healthy in time.
     """
     from ray import serve
 
@@ -89,7 +90,10 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     resolve_paths(config, base or Path.cwd())
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
         check_port(config.http.host, config.http.port)
-    owns_ray = init_ray(config.experts.namespace, ray_env(), address)
+    try:
+        owns_ray = init_ray(config.experts.namespace, ray_env(), address)
+    except Exception as e:  # ray.init raises bare Exception / ConnectionError (node start timeout, bad address)
+        raise StartupError(f"Ray did not start{f' (address {address!r})' if address else ''}: {e}") from e
     if sigterm is not None:
         signal.signal(signal.SIGTERM, sigterm)
     _running.update(owns_ray=owns_ray, namespace=config.experts.namespace,

@@ -22,12 +22,18 @@ LOOPBACK = "127.0.0.1"
 # the embedded instance does.
 UNCONFINABLE_LISTENERS = {"ray::ServeReplica": 1}
 DRAIN_SIGNAL = "specmoe-drain"  # named actor through which serve_app.py tells verifiers to drain
+RAY_LOCAL_ADDRESS = "local"  # ray.init's address meaning "start a new local instance"
 FLUSH_S = 0.5  # after a drain: time for the ingress and the proxy to send the streams' last chunks
 
 
 def cluster_address(cli_address: str | None = None) -> str | None:
-    """The Ray cluster to join: ``--address``, else ``RAY_ADDRESS``, else None (start a local one)."""
-    return cli_address or os.environ.get("RAY_ADDRESS") or None
+    """The Ray cluster to join: ``--address``, else ``RAY_ADDRESS``, else None (start a local one).
+
+    ``local`` is Ray's own value for "start a new local instance" (``ray.init(address="local")``),
+    so it also means None: the loopback-only local Ray, not a join.
+    """
+    address = cli_address or os.environ.get("RAY_ADDRESS") or None
+    return None if address == RAY_LOCAL_ADDRESS else address
 
 
 def _loopback_node_address() -> None:

@@ -63,21 +63,27 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 class RequestFailed(Exception):
     """A request that cannot complete: the HTTP status and message the client gets."""
 
-    def __init__(self, status: int, message: str, retry_after_s: int | None = None) -> None:
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after_s = retry_after_s if retry_after_s is not None else RETRY_AFTER_S.get(status)
+
+    @classmethod
+    def from_item(cls, item: dict) -> RequestFailed:
+        """The failure a verifier's error item (``actors.stream_items``) reports."""
+        return cls(item["status"], item["message"], param=item.get("param"), code=item.get("code"))
 
     @property
     def headers(self) -> dict | None:
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
 
     def response(self) -> JSONResponse:
-        return _error(self.status, self.message, headers=self.headers)
+        return _error(self.status, self.message, self.param, self.code, headers=self.headers)
 
     def chunk(self) -> dict:
         """The in-band error of a stream whose 200 is already sent."""
-        return error_body(self.message, ERROR_TYPES.get(self.status, "internal_error"), None, self.status)
+        return error_body(self.message, ERROR_TYPES.get(self.status, "internal_error"), self.param, self.status)
 
 
 def _verifier_gone(e: BaseException) -> bool:
@@ -231,7 +237,7 @@ class IngressServer:
         try:
             first = await self._next(stream, deadline)
             if first["type"] == "error":
-                raise RequestFailed(first["status"], first["message"])
+                raise RequestFailed.from_item(first)
         except asyncio.CancelledError:  # the client left before the first item
             stream.cancel()
             raise
@@ -302,7 +308,7 @@ class IngressServer:
 
     def _absorb(self, builder: ResponseBuilder, item: dict, tel: RequestTelemetry) -> list[dict]:
         if item["type"] == "error":
-            raise RequestFailed(item["status"], item["message"])
+            raise RequestFailed.from_item(item)
         chunks = builder.add(item)
         tel.on_item(item)
         return chunks

@@ -7,9 +7,11 @@ from engine.outputs import RequestOutput
 
 
 def error_item(e: Exception) -> dict:
-    """An error as the ingress should answer it: 503 for a full queue, 400 for bad input."""
+    """An error as the ingress should answer it: 503 for a full queue, 400 for bad input; a
+    :class:`RequestError`'s ``param`` and ``code`` travel along for the OpenAI error body."""
     status = 503 if isinstance(e, QueueFull) else 400
-    return {"type": "error", "status": status, "message": str(e), "finished": True}
+    return {"type": "error", "status": status, "message": str(e), "finished": True,
+            "param": getattr(e, "param", None), "code": getattr(e, "code", None)}
 
 
 def unavailable_item(message: str) -> dict:

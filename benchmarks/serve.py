@@ -7,7 +7,7 @@ Single run (fixed concurrency, or Poisson arrivals with --request-rate):
 
 Sweep over concurrencies and server configurations, with ratios against a baseline:
 
-    python benchmarks/serve.py --sweep --concurrency-list 1,2,4,8,16 --config-file sweep.yaml \
+    python benchmarks/serve.py --sweep --concurrency-list 1,2,4,8,16 --config-file configs/sweep.yaml \
         --configs speculation_off,draft_k4 --baseline speculation_off --plot plots/
 
 Production prompt mix, bursty arrivals, goodput against SLOs (per class), and goodput vs offered

@@ -16,6 +16,7 @@ import msgspec
 
 from engine.errors import QueueFull
 from engine.outputs import RequestOutput
+from engine.request_ranges import RequestError
 
 
 class SLOClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -72,12 +73,14 @@ class SLOPolicy:
         return self.scheduler.config
 
     def check(self, params, prompt_len: int, decodes) -> None:
-        """Raise ValueError for an unknown class; DeadlineUnattainable when the prefill work the
+        """Raise RequestError (a ValueError naming ``slo_class``) for an unknown class;
+        DeadlineUnattainable when the prefill work the
         scheduler would run before this request (``Scheduler.prefill_tokens_ahead``), its own
         prompt included, cannot finish within the class's TTFT budget beside the running
         ``decodes`` (:func:`wait_estimate_s`)."""
         if params.slo_class is not None and params.slo_class not in self.config.slo_classes:
-            raise ValueError(f"slo_class: {params.slo_class!r} is not one of {sorted(self.config.slo_classes)}")
+            raise RequestError(f"'slo_class' must be one of {sorted(self.config.slo_classes)}, got "
+                               f"{params.slo_class!r}", param="slo_class")
         slo = self.config.slo_for(params.slo_class)[1]
         if not self.config.refuse_unattainable_ttft or slo is None or slo.ttft_ms is None:
             return

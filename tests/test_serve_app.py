@@ -15,13 +15,45 @@ def test_missing_checkpoint_is_a_clear_startup_error(tmp_path, capsys):
     assert "engine.model" in err and "does/not/exist" in err
 
 
-def test_port_in_use_is_a_clear_startup_error(capsys):
+@pytest.mark.parametrize("ray_address", [None, "local"])
+def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
+    # RAY_ADDRESS=local is Ray's "start a new local instance": the embedded server, port check included.
+    if ray_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         assert serve_app.main(["--config", "configs/embedded.yaml", "--port", str(port)]) == 2
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_ray_not_starting_is_a_clear_startup_error(monkeypatch, capsys):
+    import actors.cluster
+
+    def timed_out(*_args):  # what ray.init raises when its raylet does not register in time
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(actors.cluster, "init_ray", timed_out)
+    monkeypatch.setattr(serve_app, "check_port", lambda *_: None)
+    assert serve_app.main(["--config", "configs/embedded.yaml", "--address", "10.0.0.5:6379"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start: Ray did not start (address '10.0.0.5:6379')" in err and "timed out during startup" in err
+
+
+@pytest.mark.parametrize("cli, env, expected", [
+    (None, None, None), (None, "local", None), ("local", "10.0.0.5:6379", None),
+    (None, "10.0.0.5:6379", "10.0.0.5:6379"), ("ray://head:10001", "local", "ray://head:10001")])
+def test_cluster_address_treats_local_as_start_here(monkeypatch, cli, env, expected):
+    from actors.cluster import cluster_address
+
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    assert cluster_address(cli) == expected
 
 
 def test_invalid_config_names_the_field(tmp_path, capsys):

@@ -72,7 +72,8 @@ def test_closing_a_stream_aborts_the_request_and_bad_input_answers_400(expected_
 
     bad = asyncio.run(run())
     assert engine.kv.num_used == 0 and engine.finished_by_reason.get("abort") == 1
-    assert bad == [{"type": "error", "status": 400, "message": bad[0]["message"], "finished": True}]
+    assert bad == [{"type": "error", "status": 400, "message": bad[0]["message"], "finished": True,
+                    "param": "prompt", "code": None}]
     assert "outside the vocabulary" in bad[0]["message"]
 
 

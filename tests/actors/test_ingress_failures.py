@@ -13,7 +13,8 @@ from ray.exceptions import ActorDiedError
 
 from actors.config import ServeConfig
 from actors.ingress import IngressServer
-from actors.stream_items import unavailable_item
+from actors.stream_items import error_item, unavailable_item
+from engine.request_ranges import RequestError
 from tests.actors.conftest import DRAFT, MODEL_NAME, TARGET
 
 BODY = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 8}
@@ -103,6 +104,19 @@ def _run(app: FastAPI, requests: list[dict]) -> list[httpx.Response]:
 def _sse_events(text: str) -> list:
     return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
             for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.timeout(60)
+def test_a_request_the_verifier_refuses_gets_400_naming_the_field():
+    # e.g. an unknown slo_class: only the verifier's scheduler knows the classes
+    verifier = FakeVerifier()
+    refusal = RequestError("'slo_class' must be one of ['batch'], got 'gold'", param="slo_class")
+    verifier.streams = [FakeStream([error_item(refusal)]), FakeStream([error_item(refusal)])]
+    _, app = _server(verifier)
+    for r in _run(app, [BODY, {**BODY, "stream": True}]):
+        assert r.status_code == 400
+        assert r.json()["error"] == {"message": str(refusal), "type": "invalid_request_error", "param": "slo_class",
+                                     "code": None}
 
 
 @pytest.mark.timeout(60)

@@ -7,6 +7,7 @@ from engine.drafters.base import NoneDrafter
 from engine.engine import LLMEngine
 from engine.errors import QueueFull
 from engine.outputs import RequestMetrics
+from engine.request_ranges import RequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.slo import DeadlineUnattainable, SLOClass, prefill_token_limit, request_slo_met, wait_estimate_s
@@ -53,8 +54,9 @@ def test_slo_policy_runs_the_earliest_ttft_deadline_first():
 
 
 def test_unknown_classes_are_refused_with_the_field_named():
-    with pytest.raises(ValueError, match="slo_class"):
+    with pytest.raises(RequestError, match="slo_class") as refused:
         engine_with().add_request("x", [1, 2, 3], SamplingParams(slo_class="gold"))
+    assert refused.value.param == "slo_class" and "'gold'" in str(refused.value)
     with pytest.raises(ValueError, match="default_slo_class"):
         SchedulerConfig(default_slo_class="gold")
 
