@@ -157,6 +157,15 @@ class RemoteDrafter:
                                   max_concurrency=2).remote(s.draft_model, s.dtype, s.device, s.max_seqs, s.max_len,
                                                             s.tracing)
 
+    def wait_loaded(self, timeout_s: float) -> None:
+        """Block until the draft actor has built its model (its constructor loads the weights).
+
+        Raises:
+            ray.exceptions.GetTimeoutError: not ready within ``timeout_s``.
+            ray.exceptions.RayActorError: the actor died while loading.
+        """
+        ray.get(self.member.handle.__ray_ready__.remote(), timeout=timeout_s)
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         from observability import inject_context, is_enabled
 
