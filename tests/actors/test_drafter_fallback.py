@@ -68,3 +68,9 @@ def test_an_error_inside_a_live_actor_keeps_the_actor(fake_ray):
     assert [p.token_ids for p in drafter.propose(bad)] == [[]]
     assert (drafter.num_failures, drafter.generation) == (1, 0) and drafter.member.handle is handle
     assert [len(p.token_ids) for p in drafter.propose(_requests())] == [4, 2]
+
+
+def test_wait_loaded_returns_once_the_draft_actor_is_constructed(fake_ray):
+    _drafter(["ok"]).wait_loaded(timeout_s=1.0)
+    with pytest.raises(fake_ray.exceptions.GetTimeoutError):
+        _drafter(["hung"]).wait_loaded(timeout_s=0.1)

@@ -3,8 +3,8 @@
 ``FakeRay`` replaces the ``ray`` module inside ``actors.expert_router`` / ``actors.expert_pool`` /
 ``actors.draft_server`` (monkeypatched): ``wait`` reports every non-hung ref ready at once and times
 out immediately on hung ones, ``get`` returns a ref's (or each ref of a list's) value or raises what
-the actor "did". ``FakeActor`` wraps a plain
-object (e.g. an in-process ``ExpertWorker``) as an actor handle whose behaviour a test sets:
+the actor "did". ``FakeActor`` wraps a plain object (e.g. an in-process ``ExpertWorker``) as an
+actor handle whose behaviour a test sets:
 ``"ok"`` (calls the object), ``"dead"`` or ``"killed"`` (RayActorError) or ``"hung"`` (never ready). A
 handle's ``set_delay_ms`` (the straggler knob) makes its later calls ready only that long after they
 are sent, and ``wait`` sleeps (bounded by its timeout) until the next delayed ref is ready; ``cancel``
