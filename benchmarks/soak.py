@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flat-tolerance", type=float, default=0.10, help="allowed max/min - 1 after warm-up")
     p.add_argument("--sample-interval-s", type=float, default=10.0, help="seconds between memory samples")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="per request; past it: lost")
+    p.add_argument("--transport", choices=["compiled_graph", "actor_calls"], default=None,
+                   help="override experts.transport of the embedded config (compiled_graph there)")
     p.add_argument("--port", type=int, default=0, help="HTTP port of the server (default: a free one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-result", type=Path, default=Path("benchmarks/results/soak.json"))
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     refs = references(prompts, args.max_tokens)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the embedded server's own Ray
     config = embedded_config(args.port or free_port())
+    config["experts"]["transport"] = args.transport or config["experts"]["transport"]
     with tempfile.TemporaryDirectory() as tmp, serve_process(config, Path(tmp) / "serve.yaml", env=env,
                                                              stop_with_sigterm=True) as (proc, url, _):
         max_model_len = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
