@@ -50,6 +50,7 @@ def graph_router(served):
     config = ExpertPoolConfig(experts_per_actor=3, call_timeout_s=5.0)  # groups of 3, 3, 2 experts
     pool = ExpertPool(TARGET, 8, config, prefix=f"test-graph-{os.getpid()}-{time.monotonic_ns()}", detached=False)
     pool.start()
+    pool.wait_loaded(120)  # actors up and loaded: a loaded machine's actor start-up is no call timeout
     router = ExpertRouter(pool, torch.float32, graph=True)
     yield router
     router.close()
@@ -112,6 +113,7 @@ def test_idle_graph_is_torn_down_and_rebuilt_only_for_steady_traffic(served):
     config = ExpertPoolConfig(experts_per_actor=8, graph_idle_teardown_s=0.5, graph_build_after_s=0.4)
     pool = ExpertPool(TARGET, 8, config, prefix=f"test-idle-{os.getpid()}", detached=False)
     pool.start()
+    pool.wait_loaded(120)  # actors up and loaded: a loaded machine's actor start-up is no call timeout
     router = ExpertRouter(pool, torch.float32, graph=True)
     try:
         hidden, routing = _layer_inputs(4, seed=1)
