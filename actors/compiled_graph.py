@@ -13,7 +13,10 @@ the actors are private to the replica); compiling plus the first execution takes
 background thread while the router falls back to actor calls); channel readers poll with
 ``sched_yield`` (an idle graph would burn a core per actor, so it is torn down after
 ``graph_idle_teardown_s`` unused); and any failure (actor death, timeout) leaves the graph
-unusable, so it is torn down and rebuilt from the current members.
+unusable, so it is torn down and rebuilt from the current members. Ray frees no channel memory:
+a message larger than the channel buffer goes through a new buffer that is never freed, and a
+teardown frees none of the graph's buffers (``benchmarks/graph_channel_leak.py``), so callers send
+larger messages another way (:meth:`ActorGraph.fits`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import ray
 
 log = logging.getLogger(__name__)
 
+MESSAGE_OVERHEAD_BYTES = 64 * 1024  # one execution's pickling, counts and trace carriers, at most
+
 
 @dataclass
 class GraphStats:
@@ -39,6 +44,8 @@ class GraphStats:
     executions: int = 0
     failures: int = 0
     idle_teardowns: int = 0
+    oversize: int = 0  # messages too large for the channels, sent another way
+
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -96,6 +103,18 @@ class ActorGraph:
     def members(self) -> list:
         """The members inside the live graph, in bind order."""
         return list(self._actors)
+
+    def fits(self, payload_bytes: int) -> bool:
+        """Whether a message carrying ``payload_bytes`` of tensor bytes fits the channel buffer.
+
+        Ray 2.60 sends a larger message through a new shared-memory buffer that it never frees
+        (object store and RSS grow with every such message; the soak run in docs/BENCHMARKS.md),
+        so the caller sends it by plain actor calls instead; counted in ``stats.oversize``.
+        """
+        if payload_bytes + MESSAGE_OVERHEAD_BYTES <= self.buffer_size_bytes:
+            return True
+        self.stats.oversize += 1
+        return False
 
     def execute(self, request: tuple) -> list | None:
         """Run one layer through the graph; None when no graph is live (the caller uses actor calls).

@@ -41,8 +41,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             named, detached and shared by every verifier replica. See docs/TRANSPORT.md.
         graph_idle_teardown_s: a compiled graph unused this long is torn down, because its readers
             poll (each idle actor would burn a core); the next step rebuilds it in the background.
-        graph_buffer_size_bytes: initial size of each compiled-graph channel (Ray resizes a channel
-            when a larger message is written).
+        graph_buffer_size_bytes: size of each compiled-graph channel; a layer whose rows would not
+            fit goes by actor calls (Ray would leak a new buffer per such message; docs/TRANSPORT.md).
         graph_build_after_s: (re)build a graph only after this long of steady traffic without one
             (steps no more than ``graph_idle_teardown_s`` apart): a build costs ~2 s of CPU, more than
             a short burst loses by going over actor calls.

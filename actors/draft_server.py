@@ -226,17 +226,18 @@ class RemoteDrafter:
                                   max_concurrency=2).remote(s.draft_model, s.dtype, s.device, s.max_seqs, s.max_len,
                                                             s.tracing, s.method, s.target_model, s.pipelined)
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until the draft actor has loaded its model.
+    def wait_loaded(self, timeout_s: float) -> None:
+        """Block until the draft actor has built its model (its constructor loads the weights).
 
         Raises:
+            ray.exceptions.GetTimeoutError: not ready within ``timeout_s``.
             ConfigError: the actor failed to start (e.g. a head that does not fit the target); the
                 message carries the actor's own error.
         """
         from engine.errors import ConfigError
 
         try:
-            ray.get(self.member.handle.num_cache_misses.remote(), timeout=timeout_s)
+            ray.get(self.member.handle.__ray_ready__.remote(), timeout=timeout_s)
         except ray.exceptions.RayActorError as e:
             lines = [ln for ln in str(e).splitlines() if "Error" in ln and ":" in ln]
             raise ConfigError(f"draft_model: the draft actor failed to load {self.spec.draft_model!r}: "

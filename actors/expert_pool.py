@@ -76,6 +76,16 @@ class ExpertPool:
             self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads, self.tracing)
         return Replica(group, index, generation, name, handle)
 
+    def wait_loaded(self, timeout_s: float) -> None:
+        """Block until every actor holds all of its experts' weights (:meth:`ExpertWorker.load`;
+        actors otherwise read them lazily, on their first calls).
+
+        Raises:
+            ray.exceptions.GetTimeoutError: not all loaded within ``timeout_s``.
+            ray.exceptions.RayActorError: an actor died while loading.
+        """
+        ray.get([r.handle.load.remote() for r in self.all_replicas()], timeout=timeout_s)
+
     def group_of(self, expert: int) -> int:
         return expert // self.config.experts_per_actor
 

@@ -197,6 +197,8 @@ class ExpertRouter:
         if not self.graph.live:
             self.graph.request_build()  # in the background; this layer goes by actor calls
             return None
+        if not self.graph.fits(sum(c.hidden.nbytes + c.weights.nbytes for c in calls)):
+            return None  # a large prefill's rows: too big for the channels, so actor calls
         sent_s = time.time()
         per_group: list = [None] * len(self.pool.groups)
         for c in calls:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -89,12 +90,30 @@ class VerifierServer:
             if self.loop is not None:
                 return
             loop = asyncio.get_running_loop()
-            build = loop.run_in_executor(self._executor, self._engine_factory)
+            build = loop.run_in_executor(self._executor, self._build_loaded)
             self.engine = await asyncio.wait_for(build, self.config.verifier_start_timeout_s)
             self.loop = EngineLoop(self.engine, self._executor, self.config.engine_step_timeout_s,
                                    on_change=self._sync_metrics, carriers=self.telemetry.carriers)
             if self._in_ray:
                 self._watch_drain()
+
+    def _build_loaded(self) -> LLMEngine:
+        """The engine, returned only once its remote parts hold their weights: the expert actors
+        (:meth:`ExpertPool.wait_loaded`) and a drafter that has them elsewhere (``wait_loaded``,
+        e.g. :class:`RemoteDrafter`). Serve's initial health check awaits this build, so a replica
+        whose experts are still loading is never routed a request. Engine thread.
+
+        Raises:
+            ray.exceptions.GetTimeoutError: weights not loaded within ``verifier_start_timeout_s``
+                (counted from the start of the build).
+        """
+        deadline = time.monotonic() + self.config.verifier_start_timeout_s
+        engine = self._engine_factory()
+        drafter_wait = getattr(getattr(engine, "drafter", None), "wait_loaded", None)
+        for wait in (self.pool.wait_loaded if self.pool else None, drafter_wait):
+            if wait is not None:
+                wait(max(0.0, deadline - time.monotonic()))
+        return engine
 
     def _watch_drain(self) -> None:
         """Drain when the process that deployed the app shuts it down (``actors/cluster.py``); a
@@ -134,9 +153,8 @@ class VerifierServer:
                                   f"specmoe-draft-{self.tag}", x.namespace, d.num_cpus, d.num_gpus,
                                   e.speculative_method, e.model, layers,
                                   e.pipelined_drafting)
+            # A head whose tensors do not load is refused at start-up (_build_loaded waits for it).
             drafter = RemoteDrafter(spec, x.call_timeout_s, graph_config=x if x.transport == "compiled_graph" else None)
-            if layers:  # a head whose tensors do not load is refused at start-up, not at the first step
-                drafter.wait_ready(self.config.verifier_start_timeout_s)
         elif e.speculative_method == "ngram":
             drafter = NgramDrafter(e.ngram_min_n, e.ngram_max_n)
         else:
@@ -217,8 +235,9 @@ class VerifierServer:
                 close()
 
     async def check_health(self) -> None:
-        """Serve's health check: the engine builds within its bound, its loop is alive and no step
-        has hung (see :meth:`EngineLoop.check_health`)."""
+        """Serve's health check: the engine builds and the expert and draft actors load their
+        weights within ``verifier_start_timeout_s`` (:meth:`_build_loaded`; until then this does
+        not return), its loop is alive and no step has hung (see :meth:`EngineLoop.check_health`)."""
         await self._ensure_started()
         self.loop.check_health()
 

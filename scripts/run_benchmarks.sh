@@ -12,6 +12,7 @@ $PY benchmarks/speculation.py --batches 1,4,8,16 --num-prompts 16 --max-tokens 6
 $PY benchmarks/interference.py --duration-s 12 --budgets 64,128,256 --tpot-ms 20,30 --save-result $OUT/interference.json 2>&1 | tee $OUT/interference.log
 $PY benchmarks/hedging.py --repeats 3 --save-result $OUT/hedging.json 2>&1 | tee $OUT/hedging.log
 $PY benchmarks/hedging.py --repeats 3 --flip-s 0.5 --save-result $OUT/hedging_flip.json 2>&1 | tee $OUT/hedging_flip.log
+$PY benchmarks/soak.py --duration-s 1200 --save-result $OUT/soak.json 2>&1 | tee $OUT/soak.log
 $PY benchmarks/tracing_overhead.py --num-requests 32 --concurrency 4 --max-tokens 48 --save-result $OUT/tracing.json 2>&1 | tee $OUT/tracing.log
 $PY benchmarks/serve.py --sweep --config-file configs/sweep.yaml \
     --configs speculation_off,draft_k1,draft_k2,draft_k4,draft_k6,draft_k8,adaptive_k8,ngram_k4 --baseline speculation_off \

@@ -6,7 +6,6 @@ last one stops it."""
 
 import ipaddress
 import json
-import re
 import signal
 import threading
 import time
@@ -16,7 +15,14 @@ import psutil
 import pytest
 
 from actors.cluster import UNCONFINABLE_LISTENERS
-from tests.helpers.server_process import embedded_config, free_port, serve_process, wait_status
+from tests.helpers.server_process import (
+    embedded_config,
+    engine_gauge,
+    free_port,
+    process_tree,
+    serve_process,
+    wait_status,
+)
 
 MODEL = "stdlib-moe"
 REQUEST_TIMEOUT_S = 6.0
@@ -34,17 +40,12 @@ def server(tmp_path_factory):
         yield proc, url
 
 
-def _tree(proc) -> list[psutil.Process]:
-    root = psutil.Process(proc.pid)
-    return [root] + root.children(recursive=True)
-
-
 def _replicas(proc, deployment: str) -> list[psutil.Process]:
     """The live Serve replica processes of one deployment in the server's process tree."""
     found = []
-    for p in _tree(proc):
+    for p in process_tree(proc.pid):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and f"ServeReplica:specmoe:{deployment}" in " ".join(p.cmdline()):
+            if f"ServeReplica:specmoe:{deployment}" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.Error:  # exited meanwhile
             continue
@@ -52,8 +53,7 @@ def _replicas(proc, deployment: str) -> list[psutil.Process]:
 
 
 def _kv_usage(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return float(re.search(r'^specmoe:kv_cache_usage_perc\{model_name="stdlib-moe"\} (\S+)$', text, re.M)[1])
+    return engine_gauge(url, "kv_cache_usage_perc")
 
 
 def _stream_in_background(url: str, out: list) -> threading.Thread:
@@ -90,7 +90,7 @@ def _is_loopback(ip: str) -> bool:
 def test_embedded_default_listens_on_loopback_only(server):
     proc, url = server
     listeners = []
-    for p in _tree(proc):
+    for p in process_tree(proc.pid):
         try:
             name = p.cmdline()[0] if p.cmdline() else p.name()
             listeners += [(p.pid, name, c.laddr.ip, c.laddr.port) for c in p.net_connections("inet")

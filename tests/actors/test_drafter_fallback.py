@@ -99,3 +99,9 @@ def test_a_pipelined_draft_actor_dying_mid_run_changes_no_greedy_output(fake_ray
     assert outputs == expected
     assert (drafter.num_failures, drafter.generation) == (1, 1)
     assert m["pipelined_windows"]["used"] > 0  # windows drafted ahead were used before and after
+
+
+def test_wait_loaded_returns_once_the_draft_actor_is_constructed(fake_ray):
+    _drafter(["ok"]).wait_loaded(timeout_s=1.0)
+    with pytest.raises(fake_ray.exceptions.GetTimeoutError):
+        _drafter(["hung"]).wait_loaded(timeout_s=0.1)

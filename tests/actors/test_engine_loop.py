@@ -180,6 +180,32 @@ def test_verifier_check_health_bounds_the_build_and_reports_a_hung_step():
     asyncio.run(run())
 
 
+def test_verifier_is_not_healthy_until_its_remote_weights_are_loaded():
+    loaded = threading.Event()
+    timeouts = []
+
+    class LoadingDrafter:  # a draft actor still loading its model, for as long as the test says
+        def wait_loaded(self, timeout_s: float) -> None:
+            timeouts.append(timeout_s)
+            if not loaded.wait(timeout_s):
+                raise TimeoutError("draft weights not loaded")
+
+    engine = _HangingEngine()
+    engine.drafter = LoadingDrafter()
+
+    async def run():
+        verifier = _verifier(lambda: engine, verifier_start_timeout_s=30)
+        health = asyncio.ensure_future(verifier.check_health())
+        await asyncio.sleep(0.5)
+        assert not health.done() and verifier.loop is None  # not healthy, nothing can be routed to it
+        loaded.set()
+        await asyncio.wait_for(health, 5)
+        assert verifier.engine is engine and verifier.loop is not None
+        assert 29 < timeouts[0] <= 30  # the load is bounded by what is left of the start-up bound
+
+    asyncio.run(run())
+
+
 def test_draining_ends_open_streams_with_503_frees_their_kv_and_refuses_new(expected_texts):
     engine = build_engine(EngineArgs(model=TARGET))
 

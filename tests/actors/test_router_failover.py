@@ -167,3 +167,14 @@ def test_verifier_replicas_share_the_pool_and_recreate_the_same_generation(fake_
                                       "specmoe-experts-g1-r0-v1"]
     assert pools[0].replicas[1][0].handle is pools[1].replicas[1][0].handle  # one actor, not two
     assert [r.num_retries for r in routers] == [1, 1]
+
+
+def test_wait_loaded_returns_once_every_actor_holds_its_weights(fake_ray):
+    pool = _pool()
+    stores = [r.handle.target.store for r in pool.all_replicas()]
+    assert all(s._layers == {} for s in stores)  # lazily loaded: nothing read yet
+    pool.wait_loaded(timeout_s=1.0)
+    assert [sorted(s._layers) for s in stores] == [list(CONFIG.moe.sparse_layers)] * len(stores)
+    still_loading = _pool(behaviour=lambda group, index, generation: "hung" if group == 1 else "ok")
+    with pytest.raises(fake_ray.exceptions.GetTimeoutError):
+        still_loading.wait_loaded(timeout_s=0.1)

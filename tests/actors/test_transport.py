@@ -50,6 +50,7 @@ def graph_router(served):
     config = ExpertPoolConfig(experts_per_actor=3, call_timeout_s=5.0)  # groups of 3, 3, 2 experts
     pool = ExpertPool(TARGET, 8, config, prefix=f"test-graph-{os.getpid()}-{time.monotonic_ns()}", detached=False)
     pool.start()
+    pool.wait_loaded(120)  # actors up and loaded: a loaded machine's actor start-up is no call timeout
     router = ExpertRouter(pool, torch.float32, graph=True)
     yield router
     router.close()
@@ -77,6 +78,18 @@ def test_graph_and_actor_calls_equal_in_process_experts(graph_router):
         torch.testing.assert_close(b, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_a_layer_too_large_for_the_channels_goes_by_actor_calls(graph_router):
+    router = graph_router
+    _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+    small, large = _layer_inputs(37, seed=1), _layer_inputs(1100, seed=2)  # 1100 x 2 rows x 512 B > 1 MB
+    layers = router.num_call_layers, router.num_graph_layers
+    outs = [router.execute(1, *small), router.execute(1, *large)]
+    assert (router.num_call_layers, router.num_graph_layers) == (layers[0] + 1, layers[1] + 1)
+    assert router.graph.stats.oversize == 1 and router.graph.live
+    for (hidden, routing), out in zip((small, large), outs):
+        torch.testing.assert_close(out, _expected(1, hidden, routing), rtol=1e-6, atol=1e-6)
+
+
 def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_router):
     router = graph_router
     hidden, routing = _layer_inputs(9, seed=3)
@@ -100,6 +113,7 @@ def test_idle_graph_is_torn_down_and_rebuilt_only_for_steady_traffic(served):
     config = ExpertPoolConfig(experts_per_actor=8, graph_idle_teardown_s=0.5, graph_build_after_s=0.4)
     pool = ExpertPool(TARGET, 8, config, prefix=f"test-idle-{os.getpid()}", detached=False)
     pool.start()
+    pool.wait_loaded(120)  # actors up and loaded: a loaded machine's actor start-up is no call timeout
     router = ExpertRouter(pool, torch.float32, graph=True)
     try:
         hidden, routing = _layer_inputs(4, seed=1)

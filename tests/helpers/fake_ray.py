@@ -1,9 +1,10 @@
 """A deterministic stand-in for the few Ray calls the router and the remote drafter make.
 
-``FakeRay`` replaces the ``ray`` module inside ``actors.expert_router`` / ``actors.draft_server``
-(monkeypatched): ``wait`` reports every non-hung ref ready at once and times out immediately on
-hung ones, ``get`` returns a ref's value or raises what the actor "did". ``FakeActor`` wraps a plain
-object (e.g. an in-process ``ExpertWorker``) as an actor handle whose behaviour a test sets:
+``FakeRay`` replaces the ``ray`` module inside ``actors.expert_router`` / ``actors.expert_pool`` /
+``actors.draft_server`` (monkeypatched): ``wait`` reports every non-hung ref ready at once and times
+out immediately on hung ones, ``get`` returns a ref's (or each ref of a list's) value or raises what
+the actor "did". ``FakeActor`` wraps a plain object (e.g. an in-process ``ExpertWorker``) as an
+actor handle whose behaviour a test sets:
 ``"ok"`` (calls the object), ``"dead"`` or ``"killed"`` (RayActorError) or ``"hung"`` (never ready). A
 handle's ``set_delay_ms`` (the straggler knob) makes its later calls ready only that long after they
 are sent, and ``wait`` sleeps (bounded by its timeout) until the next delayed ref is ready; ``cancel``
@@ -49,6 +50,8 @@ class _Method:
             def died():
                 raise ray.exceptions.RayActorError()
             return FakeRef(died)
+        if self.name == "__ray_ready__":  # Ray adds it to every actor class: True once constructed
+            return FakeRef(lambda: True)
         return FakeRef(lambda: getattr(actor.target, self.name)(*args), ready_at_s=time.monotonic() + actor.delay_s)
 
 
@@ -61,7 +64,7 @@ class FakeActor:
         self.calls: list[tuple[str, tuple]] = []
 
     def __getattr__(self, name: str) -> _Method:
-        if name.startswith("_"):
+        if name.startswith("_") and name != "__ray_ready__":
             raise AttributeError(name)
         return _Method(self, name)
 
@@ -91,7 +94,9 @@ class FakeRay:
     def cancel(self, ref: FakeRef) -> None:
         self.cancelled.append(ref)
 
-    def get(self, ref: FakeRef, timeout: float | None = None):
+    def get(self, ref: FakeRef | list[FakeRef], timeout: float | None = None):
+        if isinstance(ref, list):
+            return [self.get(r, timeout) for r in ref]
         if ref.hung:
             self.timeouts += 1
             raise ray.exceptions.GetTimeoutError(f"timed out after {timeout} s")
@@ -129,6 +134,7 @@ def install_fake_ray(monkeypatch) -> FakeRay:
     Ray); re-creating a replica "kills" its fake handle instead of calling ``ray.kill``."""
     fake = FakeRay()
     monkeypatch.setattr(expert_router, "ray", fake)
+    monkeypatch.setattr(expert_pool, "ray", fake)
     monkeypatch.setattr(expert_actor, "_actor_id", lambda: "in-process")
     monkeypatch.setattr(expert_pool, "kill_actor", lambda handle: setattr(handle, "behaviour", "killed"))
     return fake

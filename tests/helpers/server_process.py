@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import yaml
 
 
@@ -42,10 +44,34 @@ def wait_status(url: str, status: int, timeout_s: float, proc=None) -> float:
     raise AssertionError(f"/health did not answer {status} within {timeout_s} s")
 
 
+def engine_gauge(url: str, name: str) -> float:
+    """The value of the verifier's gauge ``specmoe:<name>`` on the server's ``/metrics``."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    match = re.search(rf"^specmoe:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert match, f"specmoe:{name} is not on /metrics"
+    return float(match[1])
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process ``pid`` and its live descendants (zombies left out): with the embedded config,
+    every process of the app (the Ray it started, its actors and Serve replicas)."""
+    root = psutil.Process(pid)
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:  # exited meanwhile
+            continue
+    return out
+
+
 @contextlib.contextmanager
 def serve_process(config: dict, path: Path, extra_args: tuple[str, ...] = (), start_timeout_s: float = 240,
-                  stop_with_sigterm: bool = False) -> Iterator[tuple[subprocess.Popen, str, Path]]:
-    """Write ``config`` to ``path``, start the server on it and wait until healthy.
+                  stop_with_sigterm: bool = False,
+                  env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """Write ``config`` to ``path``, start the server on it (environment ``env``, default this
+    process's) and wait until healthy.
 
     Yields (process, base URL, log path); on exit the process is stopped (SIGTERM first with
     ``stop_with_sigterm``, then kill) if it still runs.
@@ -54,7 +80,7 @@ def serve_process(config: dict, path: Path, extra_args: tuple[str, ...] = (), st
     log_path = path.with_suffix(".log")
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "serve_app.py", "--config", str(path), *extra_args], stdout=log,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{config['http']['port']}"
     try:
         wait_status(url, 200, timeout_s=start_timeout_s, proc=proc)
