@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=256)
-    ap.add_argument("--layer-ids", default="1,2,3", help="target layers whose input the head reads")
+    ap.add_argument("--layer-ids", default="1,2,4", help="target layers whose input the head reads (4: the last output)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no spin-waiting on a loaded machine)")
     return ap.parse_args(argv)
 

@@ -5,7 +5,8 @@ Architecture, per draft position ``p`` (row ``p`` pairs token ``x_{p+1}`` with t
 position ``p``, and predicts ``x_{p+2}``):
 
 * feature: the target's residual stream entering three of its layers (low, middle, high; layer ids
-  ``eagle_config.eagle_aux_hidden_state_layer_ids``) concatenated, ``(3 * target_hidden,)``, projected
+  ``eagle_config.eagle_aux_hidden_state_layer_ids``; id ``num_layers`` means the last layer's output,
+  a specmoe extension: published heads and vLLM use ids below ``num_layers``) concatenated, ``(3 * target_hidden,)``, projected
   by ``fc`` to ``hidden``; on later draft steps the head's own previous output (already ``hidden``).
 * one decoder layer whose attention input is ``cat(input_layernorm(embed(x_{p+1})), hidden_norm(h))``
   (``2 * hidden`` wide), with the residual taken from ``h`` (before ``hidden_norm``); SwiGLU MLP.
@@ -104,9 +105,9 @@ def _check_fits(file: Path, cfg: Eagle3Config, target: ModelConfig) -> None:
     if cfg.target_hidden_size != target.hidden_size:
         raise ConfigError(f"{file}: config.target_hidden_size (or hidden_size): the head reads "
                           f"{cfg.target_hidden_size}-wide target features, the target's hidden size is {target.hidden_size}")
-    if len(cfg.layer_ids) != 3 or not all(0 <= i < target.num_layers for i in cfg.layer_ids):
+    if len(cfg.layer_ids) != 3 or not all(0 <= i <= target.num_layers for i in cfg.layer_ids):
         raise ConfigError(f"{file}: config.eagle_config.eagle_aux_hidden_state_layer_ids: need three layer ids "
-                          f"in [0, {target.num_layers}) of the target, got {list(cfg.layer_ids)}")
+                          f"in [0, {target.num_layers}] of the target, got {list(cfg.layer_ids)}")
     if not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
         raise ConfigError(f"{file}: config.draft_vocab_size: must be in [1, {cfg.vocab_size}], got {cfg.draft_vocab_size}")
 

@@ -127,7 +127,8 @@ class Transformer:
                               layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, plus the residual stream entering each layer of ``layer_ids`` for every
         new token (what an EAGLE-3 head reads; vLLM's ``aux_hidden_states`` convention: id ``i``
-        is the input of layer ``i``, id 0 the embeddings).
+        is the input of layer ``i``, id 0 the embeddings; specmoe also takes ``num_layers``, the
+        last layer's output before the final norm).
 
         Returns:
             the logits, and ``(num_tokens, len(layer_ids) * hidden)`` features in ``layer_ids``
@@ -147,6 +148,7 @@ class Transformer:
             out = attention(q, k, v, kv.k[i], kv.v[i], batch, plan)
             x, h = dense.attention_output(out, x, a.wo, a.bo, layer.post_attn_norm, c.rms_norm_eps)
             x = x + self._mlp(i, layer, h)
+        captured[len(self.layers)] = x
         features = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
         x = rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float(), features

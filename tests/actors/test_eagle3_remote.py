@@ -35,7 +35,7 @@ def setup(monkeypatch, tiny_checkpoints, tmp_path):
     target_dir = tiny_checkpoints["mixtral"][0]
     make_eagle3_head(tmp_path / "head", seed=4)
     spec = DraftActorSpec(str(tmp_path / "head"), "float32", "cpu", 4, None, None, "t-eagle", "specmoe",
-                          method="eagle3", target_model=str(target_dir), feature_layers=(0, 1, 1))
+                          method="eagle3", target_model=str(target_dir), feature_layers=(0, 1, 2))
     target = load_model(target_dir)
     local = EagleDrafter(Eagle3Head(tmp_path / "head", target.config, target.model.embed), 4)
     return RecordingDrafter(spec, timeout_s=5.0), local

@@ -69,6 +69,26 @@ def reference_head(t, embed, tokens, hs, heads=4, kv_heads=2, head_dim=8):
     return torch.stack(logits), torch.stack(outs)
 
 
+def test_target_features_are_the_layer_inputs_of_the_reference_model(tiny_checkpoints):
+    """Feature id i is the residual entering layer i (transformers' ``hidden_states[i]``); id
+    num_layers is the last layer's output, which transformers reports after the final norm."""
+    from engine.model.layers import rms_norm
+
+    path, ref = tiny_checkpoints["mixtral"]
+    target = load_model(path)
+    ids = [3, 77, 12, 5, 64, 9]
+    kv = target.model.new_kv_cache(1, 16)
+    kv.reserve(kv.allocate(), len(ids))
+    _, feats = target.model.forward_with_features(ForwardBatch.build([0], [ids], [0], "all"), kv, (2, 0, 1))
+    with torch.no_grad():
+        hidden = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    last, first, middle = feats.split(32, -1)
+    torch.testing.assert_close(first, hidden[0][0])
+    torch.testing.assert_close(middle, hidden[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rms_norm(last, target.model.norm, target.config.rms_norm_eps), hidden[2][0],
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_head_forward_and_cached_draft_step_equal_the_reference(target_dir, head):
     path, tensors = head
     target = load_model(target_dir)
@@ -173,8 +193,10 @@ def _broken(src, tmp_path, config=None, drop=None, replace=None):
 
 
 @pytest.mark.parametrize("change, error, message", [
-    (dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}), ConfigError,
-     r"eagle_aux_hidden_state_layer_ids: need three layer ids in \[0, 2\)"),
+    (dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}), ConfigError,
+     r"eagle_aux_hidden_state_layer_ids: need three layer ids in \[0, 2\] of the target, got \[0, 1, 3\]"),
+    (dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}}), ConfigError,
+     r"need three layer ids"),
     (dict(config={"target_hidden_size": 64}), ConfigError, r"target_hidden_size .*64-wide .* hidden size is 32"),
     (dict(config={"vocab_size": 200}), ConfigError, r"config.vocab_size: 200 differs from the target's 128"),
     (dict(config={"architectures": ["LlamaForCausalLM"]}), ConfigError, "is not an EAGLE-3 head"),

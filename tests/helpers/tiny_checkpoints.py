@@ -50,7 +50,7 @@ def make_checkpoint(arch: str, out_dir: Path, seed: int = 0):
     return model
 
 
-def make_eagle3_head(out_dir: Path, seed: int = 0, layer_ids: tuple[int, ...] = (0, 1, 1), draft_vocab: int = 96,
+def make_eagle3_head(out_dir: Path, seed: int = 0, layer_ids: tuple[int, ...] = (0, 1, 2), draft_vocab: int = 96,
                      hidden: int = 32, scale: float = 0.2) -> dict[str, torch.Tensor]:
     """Save a random EAGLE-3 head for the tiny targets above (hidden 32, 2 layers, vocab VOCAB) in the
     published layout (``midlayer.*``, ``d2t``/``t2d``, no embedding); returns its tensors."""
