@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from benchmarks.serving.dataset import Prompt, load_prompts, sample_prompts  # n
 from benchmarks.serving.goodput import SloConfig, compute_goodput, load_slo_file  # noqa: E402
 from benchmarks.serving.loadgen import LoadShape, class_arrival_offsets_s  # noqa: E402
 from benchmarks.serving.metrics import compute_metrics  # noqa: E402
-from benchmarks.serving.plots import plot_goodput  # noqa: E402
+from benchmarks.serving.plots import plot_goodput, plot_slo_attainment  # noqa: E402
 from benchmarks.serving.report import format_goodput_sweep, run_to_dict  # noqa: E402
 from benchmarks.serving.runner import BenchmarkRun, gc_frozen  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -203,6 +204,14 @@ def calibrate(llm: LLM, prompts: list[Prompt]) -> None:
               f"TPOT p50 {g.tpot.median_s * 1e3:6.1f} p90 {g.tpot.p90_s * 1e3:6.1f} ms")
 
 
+def report(runs: list[BenchmarkRun], plot_dir: Path | None) -> None:
+    """The goodput table (interleaved runs sorted by rate, then variant) and the figures."""
+    runs = sorted(runs, key=lambda r: (r.shape.request_rate_per_s, list(VARIANTS).index(r.label)))
+    print(format_goodput_sweep(runs))
+    if plot_dir:
+        print("wrote", plot_goodput(runs, plot_dir), plot_slo_attainment(runs, plot_dir))
+
+
 def ms(value_s: float | None) -> str:
     return "-" if value_s is None else f"{value_s * 1e3:.0f}"
 
@@ -225,15 +234,20 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true", help="only measure unloaded latencies per class")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--runs-out", type=Path, help="pickle the runs here (to plot runs of several processes together)")
+    ap.add_argument("--plot-runs", type=Path, nargs="+", help="only plot and tabulate these pickled runs")
     ap.add_argument("--save-result")
     args = ap.parse_args()
+    if args.plot_runs:
+        report([run for path in args.plot_runs for run in pickle.loads(path.read_bytes())], args.plot)
+        return
     torch.set_num_threads(args.threads)
     if args.clock == "cpu":
         if args.threads != 1:
             ap.error("--clock cpu needs --threads 1 (other threads' CPU time is not this thread's)")
         use_clock(CpuClock())
     rows = load_prompts(MIX)
-    warm, measured = rows[:12], rows[12:]
+    warm, measured = rows[:6], rows[12:]
     slos = SloConfig(per_class=load_slo_file(args.slo_file))
     variants = [VARIANTS[n] for n in args.variants.split(",")]
     llms = {v.name: build_llm(v, args, engine_slo_classes(slos)) for v in variants}
@@ -254,15 +268,15 @@ def main() -> None:
             for v in order:
                 run = measure(llms[v.name], v, make_jobs(llms[v.name], prompts, offsets, v.slo_aware), rate, slos)
                 runs.append(run)
+                if args.runs_out:  # after every run: a sweep cut short keeps what it measured
+                    args.runs_out.write_bytes(pickle.dumps(runs))
                 g = run.goodput
                 print(f"rate {rate:g} rep {rep} {v.name:<20} attainment {g.slo_attainment:.3f} "
                       f"goodput {g.goodput_req_per_s:.2f} req/s  failed {run.metrics.failed}  "
                       + "  ".join(f"{c.name} {c.slo_attainment:.2f} (TTFT p50 {ms(c.ttft.median_s)} p99 "
                                   f"{ms(c.ttft.p99_s)}, TPOT p50 {ms(c.tpot.median_s)} p99 {ms(c.tpot.p99_s)})"
                                   for c in g.classes), flush=True)
-    print(format_goodput_sweep(runs))
-    if args.plot:
-        print("wrote", plot_goodput(runs, args.plot))
+    report(runs, args.plot)
     save_json(args.save_result, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                                  "slos": json.loads(args.slo_file.read_text()) if args.slo_file.suffix == ".json"
                                  else str(args.slo_file), "runs": [run_to_dict(r, False) for r in runs]})

@@ -10,6 +10,8 @@ $PY benchmarks/engine.py --num-prompts 24 --max-tokens 64 --save-result $OUT/eng
 $PY benchmarks/serve_vs_engine.py --num-prompts 16 --max-tokens 48 --save-result $OUT/serve_vs_engine.json 2>&1 | tee $OUT/serve_vs_engine.log
 $PY benchmarks/speculation.py --batches 1,4,8,16 --num-prompts 16 --max-tokens 64 --repeats 3 --save-result $OUT/speculation.json 2>&1 | tee $OUT/speculation.log
 $PY benchmarks/interference.py --duration-s 12 --budgets 64,128,256 --tpot-ms 20,30 --save-result $OUT/interference.json 2>&1 | tee $OUT/interference.log
+$PY benchmarks/goodput_mix.py --rates 0.5,1,2 --num-requests 40 --slo-file configs/slo_goodput.yaml \
+    --save-result $OUT/goodput_mix.json --plot docs/img 2>&1 | tee $OUT/goodput_mix.log
 $PY benchmarks/hedging.py --repeats 3 --save-result $OUT/hedging.json 2>&1 | tee $OUT/hedging.log
 $PY benchmarks/hedging.py --repeats 3 --flip-s 0.5 --save-result $OUT/hedging_flip.json 2>&1 | tee $OUT/hedging_flip.log
 $PY benchmarks/soak.py --duration-s 1200 --save-result $OUT/soak.json 2>&1 | tee $OUT/soak.log

@@ -161,6 +161,29 @@ def plot_goodput(runs: Sequence[BenchmarkRun], out_dir: Path) -> Path | None:
     return _save(fig, plt, out_dir / "goodput_vs_load.png")
 
 
+def plot_slo_attainment(runs: Sequence[BenchmarkRun], out_dir: Path, targets: Sequence[float] = (0.9, 0.99)) -> Path | None:
+    """``slo_attainment_vs_load.png``: the fraction of requests sent that met every SLO vs offered
+    load, per configuration (runs of one configuration and rate averaged), with the ``targets``
+    as dotted lines; None unless the sweep varied the request rate and had SLOs."""
+    swept = [r for r in runs if r.shape.request_rate_per_s is not None and r.goodput and r.goodput.good is not None]
+    if len({r.shape.request_rate_per_s for r in swept}) < 2:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name, rs in _by_config(swept).items():
+        by_rate: dict[float, list[float]] = {}
+        for r in rs:
+            by_rate.setdefault(r.shape.request_rate_per_s, []).append(r.goodput.slo_attainment)
+        rates = sorted(by_rate)
+        ax.plot(rates, [100 * float(np.mean(by_rate[x])) for x in rates], marker="o", label=name)
+    for t in targets:
+        ax.axhline(100 * t, linestyle=":", color="grey")
+    ax.set(title="SLO attainment (requests sent meeting every SLO)", xlabel="offered load (req/s)", ylabel="%")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, plt, out_dir / "slo_attainment_vs_load.png")
+
+
 def _concurrency_axis(ax, runs: Sequence[BenchmarkRun]) -> None:
     """Log-2 x axis with a plain-number tick at every concurrency that was run."""
     ax.set_xscale("log", base=2)

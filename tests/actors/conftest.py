@@ -22,14 +22,15 @@ def test_config(tracing_endpoint: str | None = None, **engine) -> ServeConfig:
     """The embedded config, shrunk for tests: small queues so backpressure is reachable, and four
     expert actors (two experts each) so a dispatch has enough calls for a median. The default
     adaptive speculation (tests that need the draft in a trace send seeded sampled requests, which
-    keep their k). One default SLO class with generous budgets, so every request counts in
-    ``specmoe:slo_requests_total``, and deadline refusal with an ``instant`` class whose 1 us TTFT
-    budget no request can meet (a request naming it is refused with a 503)."""
+    keep their k). One default SLO class with a generous TPOT budget and no TTFT budget (so
+    deadline refusal never touches it), so every request counts in ``specmoe:slo_requests_total``;
+    and deadline refusal with an ``instant`` class whose 1 us TTFT budget no request can meet (a
+    request naming it is refused with a 503)."""
     return msgspec.convert({
         "model_name": MODEL_NAME,
         "engine": {"model": TARGET, "draft_model": DRAFT, "num_speculative_tokens": 4,
                    "scheduler": {"max_num_seqs": 16, "max_waiting": 16, "max_num_batched_tokens": 8192,
-                                 "slo_classes": {"interactive": {"ttft_ms": 60_000, "tpot_ms": 5_000},
+                                 "slo_classes": {"interactive": {"tpot_ms": 5_000},
                                                  "instant": {"ttft_ms": 0.001}},
                                  "default_slo_class": "interactive", "refuse_unattainable_ttft": True},
                    **engine},
