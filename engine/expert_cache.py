@@ -5,8 +5,9 @@ LRFU (Lee et al., "LRFU: a spectrum of policies that subsumes LRU and LFU", IEEE
 entry's combined recency and frequency is ``CRF(t) = sum_i 2^(-decay * (t - t_i))`` over its past
 uses ``t_i`` (``t`` counts uses), so ``decay = 0`` is LFU and large ``decay`` is LRU. The victim is
 the evictable entry with the lowest CRF, where evictable means: loaded, not in use (reference count
-zero), not among the ``num_pinned`` hottest entries, and preferably not a prefetch still waiting
-for its first use (evicting one of those wastes the prefetch; only a demand load may do it).
+zero), not pinned (the ``num_pinned`` resident entries with the most uses since they were loaded:
+the hot experts, whatever the decay), and preferably not a prefetch still waiting for its first
+use (evicting one of those wastes the prefetch; only a demand load may do it).
 
 This class is bookkeeping only (no tensors, no threads): :class:`engine.expert_offload.OffloadedExpertStore`
 owns the weights and the lock around every call here.
@@ -67,6 +68,7 @@ class _Entry:
     refs: int = 0  # uses in progress (never evicted while > 0)
     crf: float = 0.0  # LRFU value at time ``last``
     last: int = 0
+    uses: int = 0  # demand uses since loaded (pinning)
     prefetched: bool = False  # loaded by a prefetch and not used yet
 
 
@@ -75,7 +77,7 @@ class ExpertCache:
 
     Args:
         capacity: resident entries (experts x layers) allowed.
-        num_pinned: the hottest entries (highest CRF) are never evicted.
+        num_pinned: the hottest entries (most uses while resident) are never evicted.
         decay: LRFU's lambda per use (see module docstring).
         on_evict: called with each key that leaves (evicted or discarded), e.g. to free its memory.
 
@@ -126,6 +128,7 @@ class ExpertCache:
             lookup = Lookup.MISS
         self._touch(entry)
         entry.refs += 1
+        entry.uses += 1
         if entry.prefetched:
             entry.prefetched = False
             self.stats.prefetches_used += 1
@@ -179,7 +182,7 @@ class ExpertCache:
     def _evict(self, allow_prefetched: bool) -> bool:
         """Drop the best victim; False when there is none."""
         ready = [(k, e) for k, e in self._entries.items() if e.ready]
-        pinned = {k for k, _ in sorted(ready, key=lambda ke: -self._crf_now(ke[1]))[:self.num_pinned]}
+        pinned = {k for k, _ in sorted(ready, key=lambda ke: -ke[1].uses)[:self.num_pinned]}
         candidates = [(e.prefetched, self._crf_now(e), k) for k, e in ready
                       if e.refs == 0 and k not in pinned and (allow_prefetched or not e.prefetched)]
         if not candidates:

@@ -191,6 +191,10 @@ class OffloadedExpertStore:
         with self._lock:
             return {**self.cache.stats.as_dict(), "resident": sorted(self.cache.resident())}
 
+    def drain(self) -> None:
+        """Wait until every prefetch started so far has landed (warm-up, tests)."""
+        self._loader.submit(lambda: None).result()
+
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
 
