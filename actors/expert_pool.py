@@ -74,7 +74,7 @@ class ExpertPool:
                        scheduling_strategy=self.config.scheduling_strategy, max_concurrency=2)
         handle = ExpertActor.options(**options).remote(
             self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads, self.tracing,
-            self.config.offload_settings())
+            offload=self.config.offload_settings())
         return Replica(group, index, generation, name, handle)
 
     def group_of(self, expert: int) -> int:

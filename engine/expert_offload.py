@@ -116,7 +116,8 @@ class OffloadedExpertStore:
         if capacity is None or capacity < len(self.expert_ids) + num_pinned:
             raise ValueError(f"resident budget of {capacity} experts (of {self.entry_bytes} bytes) is below one "
                              f"layer's {len(self.expert_ids)} held experts plus {num_pinned} pinned")
-        self.cache = ExpertCache(capacity, num_pinned, on_evict=self._free_slot)
+        self.cache = ExpertCache(capacity, num_pinned, on_evict=self._free_slot,
+                                 layer_order=list(config.moe.sparse_layers))
         self.pool = [torch.empty((capacity, *s), dtype=dtype, device=device) for s in shapes]
         self.prefetch_enabled, self.on_load = prefetch, on_load
         cuda = torch.device(device).type == "cuda"
@@ -126,7 +127,8 @@ class OffloadedExpertStore:
         self._forward_lock = threading.Lock()  # one layer in use at a time, so one always fits
         self._slots: dict[Key, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
-        self._loading: dict[Key, threading.Event] = {}
+        self._loading: dict[Key, threading.Event] = {}  # reserved, not loaded yet
+        self._claimed: set[Key] = set()  # loads under way
         self._failed: dict[Key, BaseException] = {}
         self._reported = CacheStats()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="expert-prefetch")
@@ -152,6 +154,8 @@ class OffloadedExpertStore:
         keys = [(layer, e) for e, c in zip(self.expert_ids, counts) if c]
         with self._forward_lock:
             lookups = [self._acquire(k) for k in keys]
+            with self._lock:
+                self.cache.expire_prefetches(layer)
             try:
                 if prefetch is not None:
                     self.prefetch(*prefetch, trace=trace)
@@ -229,7 +233,8 @@ class OffloadedExpertStore:
                 if lookup is Lookup.MISS:
                     self._load(k, False, trace)
                 elif lookup is Lookup.PENDING:
-                    self._wait(k)
+                    self._load(k, True, trace)  # the loader thread may not have reached it yet
+                    self._wait(k)  # done, or under way on the loader thread (raises its error)
         finally:
             with self._lock:
                 self.cache.stats.stall_s += time.perf_counter() - start
@@ -244,31 +249,39 @@ class OffloadedExpertStore:
         if error is not None:
             raise error
 
-    def _load(self, key: Key, prefetch: bool, trace: Any) -> None:
-        """Load ``key`` from the slow tier into its slot (loader thread or caller)."""
+    def _load(self, key: Key, prefetch: bool, trace: Any) -> bool:
+        """Load ``key`` from the slow tier into its slot, unless another thread has started it
+        (a caller needing a prefetch the loader thread has not reached loads it itself); returns
+        whether this call loaded it."""
         start = time.time()
+        with self._lock:
+            if key in self._claimed or key not in self._loading:
+                return False
+            self._claimed.add(key)
+            slot = self._slots[key]
         try:
-            with self._lock:
-                slot = self._slots[key]
             done = self.tier.load(*key, [p[slot] for p in self.pool])
         except BaseException as e:
             with self._lock:
                 self.cache.discard(key)
                 self._failed[key] = e
+                self._claimed.discard(key)
                 self._loading.pop(key).set()
             if prefetch:  # the use that needed it raises the error
                 log.warning("prefetch of layer %d expert %d failed: %s", key[0], key[1], e)
-                return
+                return True
             raise
         with self._lock:
             self.cache.fill(key, done)
             self._failed.pop(key, None)
+            self._claimed.discard(key)
             self._loading.pop(key).set()
         if self.on_load is not None:
             try:
                 self.on_load(key[0], key[1], start, time.time(), prefetch, trace)
             except Exception:
                 log.debug("on_load hook failed", exc_info=True)
+        return True
 
     def _compute(self, hidden: torch.Tensor, counts: list[int], slots: list[int], events: list,
                  weights: torch.Tensor | None) -> torch.Tensor:

@@ -121,3 +121,31 @@ def test_discarding_a_failed_load_frees_it_and_a_later_release_is_harmless():
 def test_bad_sizes_are_refused(capacity, pinned):
     with pytest.raises(ValueError, match="capacity"):
         ExpertCache(capacity, pinned)
+
+
+def test_with_a_layer_order_the_victim_is_from_the_layer_that_runs_again_last():
+    cache = ExpertCache(capacity=4, layer_order=[0, 1, 2, 3], decay=0.0)
+    for key in [(0, 0), (0, 0), (0, 0), (1, 0), (2, 0), (3, 0)]:  # (0, 0) by far the most frequent
+        _use(cache, key)
+    # Layer 3 is running: the next runs are 0, 1, 2, then 3; its own entry goes first.
+    assert cache.acquire((3, 1)) is Lookup.MISS
+    assert (3, 0) not in cache and {(0, 0), (1, 0), (2, 0)} <= set(cache.resident())
+    cache.fill((3, 1), None)
+    cache.release((3, 1))
+    assert _use(cache, (0, 1)) is Lookup.MISS  # now at layer 0: layer 0 runs again last
+    assert (0, 0) not in cache and {(1, 0), (2, 0), (3, 1)} <= set(cache.resident())
+
+
+def test_a_layers_prefetches_never_evict_each_other_and_mispredictions_expire_as_wasted():
+    cache = ExpertCache(capacity=2, layer_order=[0, 1])
+    _use(cache, (1, 0))
+    _use(cache, (0, 0))
+    assert cache.reserve_prefetch((1, 1))  # evicts (0, 0), never its layer-mate (1, 0)
+    assert (0, 0) not in cache
+    cache.fill((1, 1), None)
+    assert not cache.reserve_prefetch((1, 2))  # only (1, 0) (same layer) and a prefetch are left
+    assert _use(cache, (1, 0)) is Lookup.HIT
+    cache.expire_prefetches(1)  # layer 1 ran without (1, 1): a misprediction
+    assert cache.stats.prefetches_wasted == 1 and cache.stats.prefetches_used == 0
+    assert _use(cache, (0, 2)) is Lookup.MISS and _use(cache, (0, 3)) is Lookup.MISS  # (1, 1) evictable now
+    assert (1, 1) not in cache and cache.stats.prefetches_wasted == 1  # counted once
