@@ -66,6 +66,9 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         prefetch: with offload, prefetch the experts predicted for the next MoE layer (pre-gating:
             the next layer's router applied to this layer's hidden state, sent with the dispatch);
             False: demand loads only.
+        simulated_link_gbps: with offload, a labelled SIMULATION for benchmarks: every load takes at
+            least one expert's checkpoint bytes at this many GB/s (a sleep after the real load), to
+            model a slower link (PCIe, NVMe) than a small model on this machine has. None: real only.
     """
 
     experts_per_actor: int = 4
@@ -94,6 +97,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     max_resident_bytes: int | None = None
     pinned_hot_experts: int = 0
     prefetch: bool = True
+    simulated_link_gbps: float | None = None
 
     def __post_init__(self) -> None:
         self._check_offload()
@@ -129,6 +133,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
                              f"got {self.max_resident_experts}")
         if self.max_resident_bytes is not None and self.max_resident_bytes < 1:
             raise ValueError(f"experts.max_resident_bytes must be >= 1, got {self.max_resident_bytes}")
+        if self.simulated_link_gbps is not None and not self.simulated_link_gbps > 0:
+            raise ValueError(f"experts.simulated_link_gbps must be > 0, got {self.simulated_link_gbps}")
         if self.pinned_hot_experts < 0:
             raise ValueError(f"experts.pinned_hot_experts must be >= 0, got {self.pinned_hot_experts}")
 
@@ -138,7 +144,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         if self.max_resident_experts is None and self.max_resident_bytes is None:
             return None
         return {"max_resident": self.max_resident_experts, "max_resident_bytes": self.max_resident_bytes,
-                "num_pinned": self.pinned_hot_experts, "prefetch": self.prefetch}
+                "num_pinned": self.pinned_hot_experts, "prefetch": self.prefetch,
+                "simulated_link_gbps": self.simulated_link_gbps}
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

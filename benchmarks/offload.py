@@ -56,6 +56,9 @@ class Unit:
         self.pool = ExpertPool(e.model, 8, experts, e.dtype, e.device, prefix=f"bench-offload-{name}-{os.getpid()}",
                                detached=False)
         self.pool.start()
+        import ray  # actors start slowly on a loaded machine: wait here, not in the first call's timeout
+
+        ray.get([r.handle.load.remote() for r in self.pool.all_replicas()], timeout=600)
         self.router = ExpertRouter(self.pool, torch.float32, graph=experts.transport == "compiled_graph")
         target = load_model(e.model, e.dtype, e.device, experts=self.router)
         drafter = DraftModelDrafter(load_model(e.draft_model, e.dtype, e.device), max_seqs, 1024)

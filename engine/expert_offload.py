@@ -83,6 +83,22 @@ class PinnedHostTier:
         return event
 
 
+class SimulatedLinkTier:
+    """A labelled simulation: ``inner``'s load, then a sleep until ``nbytes / bytes_per_s`` seconds
+    have passed since it started, i.e. a slower link than this machine has (a PCIe or NVMe
+    transfer of a larger model's expert). Sleeping models a DMA copy: it holds no CPU and no GIL.
+    ``nbytes``: one expert in the checkpoint dtype (what such a link would carry)."""
+
+    def __init__(self, inner: CheckpointTier | PinnedHostTier, nbytes: int, bytes_per_s: float) -> None:
+        self.inner, self.seconds = inner, nbytes / bytes_per_s
+
+    def load(self, layer: int, expert: int, dst: list[torch.Tensor]):
+        start = time.perf_counter()
+        done = self.inner.load(layer, expert, dst)
+        time.sleep(max(0.0, self.seconds - (time.perf_counter() - start)))
+        return done
+
+
 class OffloadedExpertStore:
     """Some experts of every MoE layer, at most ``capacity`` (layer, expert) entries resident.
 
@@ -97,6 +113,8 @@ class OffloadedExpertStore:
             of resident weights (compute dtype), converted to entries.
         num_pinned: hottest entries never evicted (:class:`ExpertCache`).
         prefetch: False ignores :meth:`prefetch` hints (demand loads only).
+        simulated_link_gbps: labelled simulation (:class:`SimulatedLinkTier`): every load takes at
+            least one expert's checkpoint bytes at this many GB/s (None: the real tier only).
         on_load: called after every load (spans); must not raise.
 
     Raises:
@@ -107,7 +125,8 @@ class OffloadedExpertStore:
     def __init__(self, reader: CheckpointReader, config: ModelConfig, expert_ids: Iterable[int],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
                  max_resident: int | None = None, max_resident_bytes: int | None = None, num_pinned: int = 0,
-                 prefetch: bool = True, on_load: LoadHook | None = None) -> None:
+                 prefetch: bool = True, simulated_link_gbps: float | None = None,
+                 on_load: LoadHook | None = None) -> None:
         self.config, self.expert_ids = config, sorted(expert_ids)
         shapes = expert_shapes(config)
         self.entry_bytes = sum(math.prod(s) for s in shapes) * dtype.itemsize
@@ -122,6 +141,10 @@ class OffloadedExpertStore:
         self.prefetch_enabled, self.on_load = prefetch, on_load
         cuda = torch.device(device).type == "cuda"
         self.tier = PinnedHostTier(reader, config, self.expert_ids, device) if cuda else CheckpointTier(reader, config)
+        if simulated_link_gbps is not None:
+            disk_bytes = sum(math.prod(s) for s in shapes) * reader.get(expert_names(config, config.moe.sparse_layers[0],
+                                                                                     self.expert_ids[0])[0]).itemsize
+            self.tier = SimulatedLinkTier(self.tier, disk_bytes, simulated_link_gbps * 1e9)
         self._held = set(self.expert_ids)
         self._lock = threading.Lock()  # every cache and slot update; loads run outside it
         self._forward_lock = threading.Lock()  # one layer in use at a time, so one always fits

@@ -77,6 +77,7 @@ def test_greedy_output_is_identical_with_half_the_experts_resident(monkeypatch, 
     ({"max_resident_experts": 8, "max_resident_bytes": 1 << 20}, "set at most one"),
     ({"max_resident_bytes": 0}, "experts.max_resident_bytes must be >= 1"),
     ({"pinned_hot_experts": -1}, "experts.pinned_hot_experts must be >= 0"),
+    ({"simulated_link_gbps": 0.0}, "experts.simulated_link_gbps must be > 0"),
 ])
 def test_config_errors_name_the_field(config, message):
     with pytest.raises(ValueError, match=message):
@@ -86,4 +87,5 @@ def test_config_errors_name_the_field(config, message):
 def test_offload_settings_are_none_when_everything_is_resident():
     assert ExpertPoolConfig().offload_settings() is None
     assert ExpertPoolConfig(max_resident_bytes=4096, prefetch=False).offload_settings() == {
-        "max_resident": None, "max_resident_bytes": 4096, "num_pinned": 0, "prefetch": False}
+        "max_resident": None, "max_resident_bytes": 4096, "num_pinned": 0, "prefetch": False,
+        "simulated_link_gbps": None}

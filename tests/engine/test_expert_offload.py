@@ -116,3 +116,15 @@ def test_pre_gating_hints_the_next_layer_and_wraps_to_the_first_with_its_routing
     expected_3 = sorted(set(torch.topk(h @ routers[3].T, 2).indices.flatten().tolist()))
     first = sorted(set(routing0.topk_ids.flatten().tolist()))
     assert sent == [(2, expected_2), (3, expected_3), (0, first)]
+
+
+def test_a_simulated_link_makes_every_load_last_at_least_its_bytes_over_the_bandwidth():
+    store = _store([0, 1], max_resident=2, simulated_link_gbps=0.005)  # labelled simulation
+    assert store.tier.seconds == pytest.approx(3 * 256 * 128 * 2 / 5e6)  # bf16 on disk: ~39 ms
+    r, w = _rows([1, 1], 0)
+    try:
+        out = store.forward(0, r, torch.tensor([1, 1]), w)
+    finally:
+        store.close()
+    assert torch.equal(out, ExpertStore(CheckpointReader(TARGET), CONFIG, [0, 1]).forward(0, r, torch.tensor([1, 1]), w))
+    assert store.snapshot()["stall_s"] >= 2 * store.tier.seconds
