@@ -31,26 +31,37 @@ class ExpertWorker:
         from engine.checkpoint import CheckpointReader
         from engine.config import load_model_config
         from engine.loader import resolve_dtype
-        from engine.model import ExpertStore
 
         torch.set_num_threads(torch_threads)
         self.dtype = resolve_dtype(dtype)
         self.device = device
-        config = load_model_config(checkpoint)
-        reader = CheckpointReader(checkpoint)
-        self.offload = offload is not None
-        if self.offload:
-            from engine.expert_offload import OffloadedExpertStore
-
-            self.store = OffloadedExpertStore(reader, config, expert_ids, self.dtype, device, **offload,
-                                              on_load=_trace_load)
-        else:
-            self.store = ExpertStore(reader, config, expert_ids, self.dtype, device)
+        self._config, self._reader = load_model_config(checkpoint), CheckpointReader(checkpoint)
+        self._held = expert_ids
+        self._stores: dict = {}
+        self.set_offload(offload)
         self.expert_ids = self.store.expert_ids
         self.delay_s = 0.0
         self.num_calls = 0
         self.actor_id = _actor_id()
         self._setup_tracing(tracing)
+
+    def set_offload(self, offload: dict | None) -> None:
+        """Use the store for these settings (``ExpertPoolConfig.offload_settings()``; None: all
+        resident). A store built before for the same settings comes back with its cache as it was
+        (``benchmarks/offload.py`` interleaves variants on one live actor so). Call between calls."""
+        key = None if offload is None else tuple(sorted(offload.items()))
+        if key not in self._stores:
+            if offload is None:
+                from engine.model import ExpertStore
+
+                store = ExpertStore(self._reader, self._config, self._held, self.dtype, self.device)
+            else:
+                from engine.expert_offload import OffloadedExpertStore
+
+                store = OffloadedExpertStore(self._reader, self._config, self._held, self.dtype, self.device,
+                                             **offload, on_load=_trace_load)
+            self._stores[key] = store
+        self.store, self.offload = self._stores[key], offload is not None
 
     def _setup_tracing(self, tracing: dict | None) -> None:
         import msgspec
