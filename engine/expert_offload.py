@@ -176,7 +176,9 @@ class OffloadedExpertStore:
         counts = expert_counts.tolist()
         keys = [(layer, e) for e, c in zip(self.expert_ids, counts) if c]
         with self._forward_lock:
-            lookups = [self._acquire(k) for k in keys]
+            lookups: list[Lookup] = []
+            for k in keys:
+                lookups.append(self._acquire(k, [j for j, lk in zip(keys, lookups) if lk is Lookup.MISS]))
             with self._lock:
                 self.cache.expire_prefetches(layer)
             try:
@@ -225,8 +227,9 @@ class OffloadedExpertStore:
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
 
-    def _acquire(self, key: Key) -> Lookup:
-        """``cache.acquire``; when full (slots held by loads in flight), wait for one to land."""
+    def _acquire(self, key: Key, mine: list[Key]) -> Lookup:
+        """``cache.acquire``; when full (slots held by prefetches in flight), wait for one to land
+        (not for ``mine``: this call's own misses, which load only after every acquire)."""
         while True:
             with self._lock:
                 lookup = self.cache.acquire(key)
@@ -234,7 +237,7 @@ class OffloadedExpertStore:
                     self._take_slot(key)
                 if lookup is not Lookup.FULL:
                     return lookup
-                pending = next(iter(self._loading.values()), None)
+                pending = next((e for k, e in self._loading.items() if k not in mine), None)
             if pending is None:  # cannot happen while one layer's experts fit (checked at init)
                 raise RuntimeError(f"expert cache full with nothing loading (capacity {self.cache.capacity})")
             pending.wait()

@@ -4,6 +4,8 @@ pre-gating predictor's hints (engine/expert_predictor.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -128,3 +130,28 @@ def test_a_simulated_link_makes_every_load_last_at_least_its_bytes_over_the_band
         store.close()
     assert torch.equal(out, ExpertStore(CheckpointReader(TARGET), CONFIG, [0, 1]).forward(0, r, torch.tensor([1, 1]), w))
     assert store.snapshot()["stall_s"] >= 2 * store.tier.seconds
+
+
+def test_a_layer_finds_room_when_every_free_slot_is_held_by_prefetches_in_flight():
+    store = _store([0, 1, 2, 3], max_resident=4)
+    gate = threading.Event()
+    inner = store.tier.load
+
+    def slow_prefetch(layer, expert, dst):  # the loader thread's loads wait for the gate
+        if threading.current_thread().name.startswith("expert-prefetch"):
+            gate.wait(5)
+        return inner(layer, expert, dst)
+
+    store.tier.load = slow_prefetch
+    try:
+        assert store.prefetch(1, [0, 1, 2, 3]) == 4  # every slot reserved, none loaded
+        r, w = _rows([1, 1], 0)
+        threading.Timer(0.2, gate.set).start()
+        out = store.forward(0, r, torch.tensor([1, 1, 0, 0]), w)  # FULL until a prefetch lands
+    finally:
+        gate.set()
+        store.close()
+    assert torch.equal(out, ExpertStore(CheckpointReader(TARGET), CONFIG, [0, 1, 2, 3]).forward(
+        0, r, torch.tensor([1, 1, 0, 0]), w))
+    stats = store.snapshot()
+    assert stats["misses"] == 2 and stats["prefetches"] == 4
