@@ -4,8 +4,9 @@
 rows out, bit for bit: each expert's rows go through the same :func:`kernels.expert_ffn.expert_ffn`)
 but keeps at most a budget of (layer, expert) weights resident; the rest live in a slower tier:
 
-* CPU: the memory-mapped safetensors checkpoint (:class:`CheckpointTier`): a load copies the
-  tensors out of the mapping and converts them from the checkpoint dtype (bf16) to the compute dtype.
+* CPU: the memory-mapped safetensors checkpoint (:class:`CheckpointTier`): a load reads the
+  tensors from the mapping and converts them from the checkpoint dtype (bf16) to the compute dtype
+  (pages not in the page cache are read from disk then).
 * CUDA: pinned host memory in the checkpoint dtype (:class:`PinnedHostTier`): a load is an
   asynchronous host-to-device copy plus the dtype conversion on a side CUDA stream; the compute
   stream waits on the load's event, so no host sync.
@@ -49,11 +50,12 @@ class CheckpointTier:
         self._lock = threading.Lock()  # one reader for the loader and compute threads
 
     def load(self, layer: int, expert: int, dst: list[torch.Tensor]) -> None:
-        """Copy one expert out of the mapping (checkpoint dtype) and convert it into ``dst``."""
+        """Read one expert from the mapping (checkpoint dtype) and convert it into ``dst`` (one
+        ``copy_`` per tensor from a zero-copy view of the mapped file)."""
         names = expert_names(self.config, layer, expert)
-        with self._lock:
-            raw = [self.reader.get(n, s) for n, s in zip(names, expert_shapes(self.config))]
-        for d, t in zip(dst, raw):
+        with self._lock:  # the reader maps each file once
+            views = [self.reader.view(n, s) for n, s in zip(names, expert_shapes(self.config))]
+        for d, t in zip(dst, views):
             d.copy_(t)
         return None
 

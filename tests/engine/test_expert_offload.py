@@ -155,3 +155,19 @@ def test_a_layer_finds_room_when_every_free_slot_is_held_by_prefetches_in_flight
         0, r, torch.tensor([1, 1, 0, 0]), w))
     stats = store.snapshot()
     assert stats["misses"] == 2 and stats["prefetches"] == 4
+
+
+def test_a_mapped_view_equals_the_read_tensor_and_bad_names_or_shapes_are_named():
+    from engine.errors import CheckpointError
+    from engine.model.moe import expert_shapes
+    from engine.model.names import expert_names
+
+    reader = CheckpointReader(TARGET)
+    name = expert_names(CONFIG, 2, 5)[2]
+    shape = expert_shapes(CONFIG)[2]
+    view = reader.view(name, shape)
+    assert view.dtype == torch.bfloat16 and torch.equal(view, reader.get(name, shape))
+    with pytest.raises(CheckpointError, match="expected"):
+        reader.view(name, shape[::-1])
+    with pytest.raises(CheckpointError, match="missing"):
+        reader.view(name + ".nope", shape)
