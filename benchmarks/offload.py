@@ -133,8 +133,9 @@ def measure(unit: Unit, batches: list[list[list[int]]], names: dict, params) -> 
             for k in STATS:
                 t[k] += after[k] - before[k]
         assert all(o == outputs["resident"] for o in outputs.values()), f"batch {b}: outputs differ"
+        base_s = total["resident"]["batch_ratios"][-1]
         for n in names:  # this batch's tok/s over resident's = resident's seconds over this one's
-            total[n]["batch_ratios"][-1] = total["resident"]["batch_ratios"][-1] / total[n]["batch_ratios"][-1]
+            total[n]["batch_ratios"][-1] = base_s / total[n]["batch_ratios"][-1]
         graph = unit.router.graph.stats.as_dict() if unit.router.graph is not None else {}
         print(f"  batch {b}: " + ", ".join(f"{n} {total[n]['tokens'] / total[n]['seconds']:.1f}" for n in names)
               + f" (graph {graph})", flush=True)
