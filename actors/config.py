@@ -55,6 +55,20 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             call latencies (each answered call's own round trip).
         hedge_window: recent latencies kept per group; hedge_min_samples: no hedge until a group
             has this many (its first calls load weights lazily and are slow anyway).
+        max_resident_experts: expert offload: each actor keeps at most this many (layer, expert)
+            weights resident (of ``experts_per_actor x MoE layers`` it holds), the rest in a slower
+            tier (the memory-mapped checkpoint on CPU, pinned host memory on GPU) loaded on demand
+            or ahead of need; at least ``experts_per_actor + pinned_hot_experts`` (one layer's
+            experts must fit at once). None (default): everything resident. See docs/EXPERTS.md.
+        max_resident_bytes: the same budget in bytes of resident weights (compute dtype); set at
+            most one of the two.
+        pinned_hot_experts: with offload, this many of the hottest resident entries are never evicted.
+        prefetch: with offload, prefetch the experts predicted for the next MoE layer (pre-gating:
+            the next layer's router applied to this layer's hidden state, sent with the dispatch);
+            False: demand loads only.
+        simulated_link_gbps: with offload, a labelled SIMULATION for benchmarks: every load takes at
+            least one expert's checkpoint bytes at this many GB/s (a sleep after the real load), to
+            model a slower link (PCIe, NVMe) than a small model on this machine has. None: real only.
     """
 
     experts_per_actor: int = 4
@@ -79,8 +93,14 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     hedge_floor_ms: float = 10.0
     hedge_window: int = 64
     hedge_min_samples: int = 8
+    max_resident_experts: int | None = None
+    max_resident_bytes: int | None = None
+    pinned_hot_experts: int = 0
+    prefetch: bool = True
+    simulated_link_gbps: float | None = None
 
     def __post_init__(self) -> None:
+        self._check_offload()
         if self.experts_per_actor < 1:
             raise ValueError("experts.experts_per_actor must be >= 1")
         if self.replicas < 1 or any(r < 1 for r in self.hot_expert_replicas.values()):
@@ -101,6 +121,31 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         if not 1 <= self.hedge_min_samples <= self.hedge_window:
             raise ValueError(f"experts.hedge_min_samples must be >= 1 and <= experts.hedge_window, got "
                              f"{self.hedge_min_samples} and {self.hedge_window}")
+
+
+    def _check_offload(self) -> None:
+        if self.max_resident_experts is not None and self.max_resident_bytes is not None:
+            raise ValueError("experts.max_resident_experts and experts.max_resident_bytes: set at most one")
+        floor = self.experts_per_actor + self.pinned_hot_experts
+        if self.max_resident_experts is not None and self.max_resident_experts < floor:
+            raise ValueError(f"experts.max_resident_experts must be >= experts.experts_per_actor + "
+                             f"experts.pinned_hot_experts ({floor}: one layer's experts must fit), "
+                             f"got {self.max_resident_experts}")
+        if self.max_resident_bytes is not None and self.max_resident_bytes < 1:
+            raise ValueError(f"experts.max_resident_bytes must be >= 1, got {self.max_resident_bytes}")
+        if self.simulated_link_gbps is not None and not self.simulated_link_gbps > 0:
+            raise ValueError(f"experts.simulated_link_gbps must be > 0, got {self.simulated_link_gbps}")
+        if self.pinned_hot_experts < 0:
+            raise ValueError(f"experts.pinned_hot_experts must be >= 0, got {self.pinned_hot_experts}")
+
+    def offload_settings(self) -> dict | None:
+        """The expert actors' ``offload`` argument (:class:`engine.expert_offload.OffloadedExpertStore`
+        keywords), or None when every expert stays resident."""
+        if self.max_resident_experts is None and self.max_resident_bytes is None:
+            return None
+        return {"max_resident": self.max_resident_experts, "max_resident_bytes": self.max_resident_bytes,
+                "num_pinned": self.pinned_hot_experts, "prefetch": self.prefetch,
+                "simulated_link_gbps": self.simulated_link_gbps}
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

@@ -20,27 +20,48 @@ class ExpertWorker:
         dtype, device: weight/activation dtype and device.
         torch_threads: torch intra-op threads (1 on CPU, so actors share cores fairly).
         tracing: :class:`observability.TracingConfig` as builtins (None: environment only).
+        offload: a resident budget (:meth:`actors.config.ExpertPoolConfig.offload_settings`): the
+            experts live in an :class:`engine.expert_offload.OffloadedExpertStore`; None: all resident.
     """
 
     def __init__(self, checkpoint: str, expert_ids: list[int], dtype: str = "float32", device: str = "cpu",
-                 torch_threads: int = 1, tracing: dict | None = None) -> None:
+                 torch_threads: int = 1, tracing: dict | None = None, offload: dict | None = None) -> None:
         import torch
 
         from engine.checkpoint import CheckpointReader
         from engine.config import load_model_config
         from engine.loader import resolve_dtype
-        from engine.model import ExpertStore
 
         torch.set_num_threads(torch_threads)
         self.dtype = resolve_dtype(dtype)
         self.device = device
-        config = load_model_config(checkpoint)
-        self.store = ExpertStore(CheckpointReader(checkpoint), config, expert_ids, self.dtype, device)
+        self._config, self._reader = load_model_config(checkpoint), CheckpointReader(checkpoint)
+        self._held = expert_ids
+        self._stores: dict = {}
+        self.set_offload(offload)
         self.expert_ids = self.store.expert_ids
         self.delay_s = 0.0
         self.num_calls = 0
         self.actor_id = _actor_id()
         self._setup_tracing(tracing)
+
+    def set_offload(self, offload: dict | None) -> None:
+        """Use the store for these settings (``ExpertPoolConfig.offload_settings()``; None: all
+        resident). A store built before for the same settings comes back with its cache as it was
+        (``benchmarks/offload.py`` interleaves variants on one live actor so). Call between calls."""
+        key = None if offload is None else tuple(sorted(offload.items()))
+        if key not in self._stores:
+            if offload is None:
+                from engine.model import ExpertStore
+
+                store = ExpertStore(self._reader, self._config, self._held, self.dtype, self.device)
+            else:
+                from engine.expert_offload import OffloadedExpertStore
+
+                store = OffloadedExpertStore(self._reader, self._config, self._held, self.dtype, self.device,
+                                             **offload, on_load=_trace_load)
+            self._stores[key] = store
+        self.store, self.offload = self._stores[key], offload is not None
 
     def _setup_tracing(self, tracing: dict | None) -> None:
         import msgspec
@@ -50,7 +71,8 @@ class ExpertWorker:
         setup_tracing("expert", msgspec.convert(tracing, TracingConfig) if tracing else None)
 
     def forward(self, layer: int, counts: list[int], hidden: np.ndarray, weights: np.ndarray,
-                sent_time_s: float, carrier: dict | None = None) -> tuple[np.ndarray, dict]:
+                sent_time_s: float, carrier: dict | None = None,
+                hint: tuple[int, list[int]] | None = None) -> tuple[np.ndarray, dict]:
         """Run held experts on grouped rows (the ``actor_calls`` transport: one Ray call).
 
         Args:
@@ -60,24 +82,27 @@ class ExpertWorker:
             weights: ``(rows,)`` float32 routing weights applied to the outputs.
             sent_time_s: caller's ``time.time()`` when sending (queue time = start - sent).
             carrier: W3C trace context of the caller's call span.
+            hint: ``(layer, expert_ids)`` predicted for the next MoE layer: prefetched (offload only).
 
         Returns:
             ``(rows, hidden_size)`` weighted expert outputs (wire format), and timings: ``queue_ms``,
-            ``compute_ms``, ``start_s`` (this actor's ``time.time()``), ``actor_id``.
+            ``compute_ms``, ``start_s`` (this actor's ``time.time()``), ``actor_id``; with offload
+            also ``cache``: the cache counters since the previous answer
+            (:class:`engine.expert_cache.CacheStats` as a dict).
         """
         import torch
 
         start = time.time()
         x = from_wire(hidden, self.dtype, self.device)
         w = torch.from_numpy(np.array(weights, copy=True)).to(self.device)
-        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, to_wire)
+        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, hint, to_wire)
 
     def forward_graph(self, request: tuple, index: int) -> tuple[bytes, dict] | None:
         """This actor's part of one compiled-graph execution (the ``compiled_graph`` transport).
 
         Args:
             request: ``(layer, calls, sent_time_s)`` shared by every actor of the graph; ``calls[index]``
-                is None (nothing for this actor this layer) or ``(counts, hidden, weights, carrier)``
+                is None (nothing for this actor this layer) or ``(counts, hidden, weights, carrier, hint)``
                 with ``hidden`` the bytes of ``(sum(counts), hidden_size)`` rows and ``weights`` the
                 bytes of ``(sum(counts),)`` float32 (:func:`actors.wire.to_bytes`). ``layer`` None is
                 the warm-up execution after compiling.
@@ -94,24 +119,30 @@ class ExpertWorker:
         call = calls[index] if layer is not None else None
         if call is None:
             return None
-        counts, hidden, weights, carrier = call
+        counts, hidden, weights, carrier, hint = call
         rows = sum(counts)
         x = from_bytes(hidden, (rows, self.store.config.hidden_size), self.dtype, self.device)
         w = from_bytes(weights, (rows,), torch.float32, self.device)
-        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, to_bytes)
+        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, hint, to_bytes)
 
     def _compute(self, layer: int, counts: list[int], x, w, start: float, sent_time_s: float,
-                 carrier: dict | None, encode) -> tuple:
+                 carrier: dict | None, hint: tuple[int, list[int]] | None, encode) -> tuple:
         import torch
 
         queue_ms = max(0.0, (start - sent_time_s) * 1e3)
         if self.delay_s:  # artificial straggler, for tests and demos
             time.sleep(self.delay_s)
-        out = self.store.forward(layer, x, torch.tensor(counts, dtype=torch.int64), w)
+        expert_counts = torch.tensor(counts, dtype=torch.int64)
+        if self.offload:
+            out = self.store.forward(layer, x, expert_counts, w, prefetch=hint, trace=carrier)
+        else:
+            out = self.store.forward(layer, x, expert_counts, w)
         result = encode(out)  # the host copy for the wire is part of the compute time
         compute_ms = (time.time() - start) * 1e3
         self.num_calls += 1
         timing = {"queue_ms": queue_ms, "compute_ms": compute_ms, "actor_id": self.actor_id, "start_s": start}
+        if self.offload:
+            timing["cache"] = self.store.take_stats().as_dict()
         self._trace(layer, counts, timing, carrier)
         return result, timing
 
@@ -134,13 +165,35 @@ class ExpertWorker:
         self.delay_s = delay_ms / 1e3
 
     def load(self) -> int:
-        """Load every held weight now (rather than on first call); returns parameters held."""
+        """Load every held weight now (rather than on first call; with offload nothing loads
+        before use); returns parameters held (resident or not)."""
+        import math
+
+        from engine.model.moe import expert_shapes
+
         self.store.load_all()
-        return sum(w.numel() for layer in self.store.config.moe.sparse_layers for w in self.store.weights(layer))
+        config = self.store.config
+        per_expert = sum(math.prod(s) for s in expert_shapes(config))
+        return per_expert * len(self.expert_ids) * len(config.moe.sparse_layers)
+
+    def cache_stats(self) -> dict | None:
+        """Offload only: the cache's counters since start, and the resident (layer, expert) keys."""
+        return self.store.snapshot() if self.offload else None
 
     def info(self) -> dict:
         return {"expert_ids": self.expert_ids, "pid": os.getpid(), "num_calls": self.num_calls,
                 "actor_id": self.actor_id, "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def _trace_load(layer: int, expert: int, start_s: float, end_s: float, prefetch: bool, carrier: dict | None) -> None:
+    """The span of one expert load (slow tier -> resident), under the call that caused it."""
+    if carrier is None:
+        return
+    from observability import emit_span
+    from observability import semconv as sc
+
+    emit_span(sc.SPAN_EXPERT_LOAD, int(start_s * 1e9), int(end_s * 1e9), {
+        sc.MOE_LAYER: layer, sc.EXPERT_ID: str(expert), sc.EXPERT_LOAD_PREFETCH: prefetch}, carrier=carrier)
 
 
 def _actor_id() -> str:

@@ -73,7 +73,8 @@ class ExpertPool:
                        num_cpus=0, num_gpus=self.config.num_gpus, resources=dict(self.config.resources),
                        scheduling_strategy=self.config.scheduling_strategy, max_concurrency=2)
         handle = ExpertActor.options(**options).remote(
-            self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads, self.tracing)
+            self.checkpoint, self.groups[group], self.dtype, self.device, self.config.torch_threads, self.tracing,
+            offload=self.config.offload_settings())
         return Replica(group, index, generation, name, handle)
 
     def wait_loaded(self, timeout_s: float) -> None:

@@ -98,6 +98,7 @@ class _Call:
     weights: torch.Tensor  # (rows,) float32, on the host
     wire: Any = None  # ``hidden`` in the actor-call wire format, made once for every attempt
     carrier: dict | None = None  # trace context of the call span, shared by its attempts
+    hint: tuple[int, list[int]] | None = None  # offload: (next layer, predicted experts) to prefetch
 
 
 @dataclass
@@ -139,6 +140,12 @@ class ExpertRouter:
         self.num_hedges = 0
         self.num_graph_layers = 0
         self.num_call_layers = 0
+        self.prefetch_enabled = pool.config.offload_settings() is not None and pool.config.prefetch
+        self._hint: tuple[int, list[int]] | None = None
+
+    def prefetch(self, layer: int, expert_ids: list[int]) -> None:
+        """The model's prediction for the next MoE layer: sent with this layer's calls (offload)."""
+        self._hint = (layer, expert_ids)
 
     def execute(self, layer: int, hidden: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
         """``(num_tokens, hidden_size)`` -> the routing-weighted sum of each token's experts.
@@ -164,11 +171,13 @@ class ExpertRouter:
         out = torch.empty_like(rows)
         calls, slices, start = [], [], 0
         w = weights.detach().to("cpu", torch.float32)  # explicit host copy: the wire boundary
+        hint, self._hint = self._hint, None
         for g, experts in enumerate(self.pool.groups):
             counts = [expert_counts[e] for e in experts]
             n = sum(counts)
             if n:
-                calls.append(_Call(CallRecord(layer, g, experts, counts, n), rows[start:start + n], w[start:start + n]))
+                calls.append(_Call(CallRecord(layer, g, experts, counts, n), rows[start:start + n], w[start:start + n],
+                                   hint=hint))
                 slices.append((start, start + n))
             start += n
         records = [c.record for c in calls]
@@ -204,7 +213,7 @@ class ExpertRouter:
         for c in calls:
             c.record.sent_s, c.record.attempts, c.record.transport = sent_s, 1, "compiled_graph"
             per_group[c.record.group] = (c.record.counts, to_bytes(c.hidden), to_bytes(c.weights),
-                                         self.telemetry.call_carrier(ctx, c.record))
+                                         self.telemetry.call_carrier(ctx, c.record), c.hint)
         replicas = self.graph.members
         results = self.graph.execute((layer, per_group, sent_s))
         if results is None:
@@ -250,7 +259,8 @@ class ExpertRouter:
             c.wire = to_wire(c.hidden)
         replica.outstanding_rows += c.record.rows
         sent_s = time.time()
-        ref = replica.handle.forward.remote(layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier)
+        ref = replica.handle.forward.remote(layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier,
+                                            c.hint)
         return _Attempt(ref, c, replica, sent_s, time.monotonic())
 
     def _collect(self, layer: int, inflight: dict, results: dict) -> list[_Call]:

@@ -149,6 +149,8 @@ class RouterTelemetry:
 
     def _record_call(self, layer: int, r, straggler: bool) -> None:
         if self.metrics is not None:
+            if "cache" in r.timing:  # an offloading actor's cache counters since its last answer
+                self.metrics.record_expert_cache(r.timing["cache"])
             for expert, count in zip(r.expert_ids, r.counts):
                 if count:
                     self.metrics.record_expert_call(layer, expert, count, r.latency_ms / 1e3, straggler)

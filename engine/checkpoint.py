@@ -7,6 +7,9 @@ A process reads only the tensors it asks for (an expert actor loads only its exp
 from __future__ import annotations
 
 import json
+import mmap
+import struct
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +33,7 @@ class CheckpointReader:
     def __init__(self, checkpoint_dir: str | Path) -> None:
         self.dir = Path(checkpoint_dir)
         self._files: dict[Path, object] = {}
+        self._maps: dict[Path, tuple[torch.Tensor, int, dict]] = {}  # file -> (bytes, data start, header)
         self._where: dict[str, Path] = self._index()
 
     def _index(self) -> dict[str, Path]:
@@ -95,3 +99,41 @@ class CheckpointReader:
                 f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
             )
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+    def view(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """A zero-copy, read-only view of one tensor in the memory-mapped file, stored dtype (the
+        slow tier of an offloading expert store reads and converts it in one ``copy_``; never write
+        to it). Follows the safetensors layout: an 8-byte little-endian header length, a JSON header
+        of ``{name: {dtype, shape, data_offsets}}``, then the data.
+
+        Raises:
+            CheckpointError: missing tensor, shape mismatch, or a dtype torch cannot view.
+        """
+        path = self._where.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        data, start, header = self._mapped(path)
+        meta = header[name]
+        if tuple(meta["shape"]) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(meta['shape'])}, expected {tuple(shape)}")
+        if meta["dtype"] not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta['dtype']}, which cannot be viewed")
+        begin, end = meta["data_offsets"]
+        return data[start + begin:start + end].view(_SAFETENSORS_DTYPES[meta["dtype"]]).view(tuple(shape))
+
+    def _mapped(self, path: Path) -> tuple[torch.Tensor, int, dict]:
+        entry = self._maps.get(path)
+        if entry is None:
+            with open(path, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            (length,) = struct.unpack("<Q", mapping[:8])
+            header = json.loads(mapping[8:8 + length])
+            with warnings.catch_warnings():  # read-only buffer: views are only ever read
+                warnings.simplefilter("ignore", UserWarning)
+                entry = (torch.frombuffer(mapping, dtype=torch.uint8), 8 + length, header)
+            self._maps[path] = entry
+        return entry
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}

@@ -31,6 +31,16 @@ P = "specmoe:"
 # Expert calls are a Ray round trip: ~100 us (same node, tiny batch) to seconds (overloaded).
 EXPERT_LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                             0.25, 0.5, 1.0, 2.5, 5.0)
+# Expert-cache counters of offloading expert actors (engine.expert_cache.CacheStats field -> help).
+CACHE_COUNTERS = {
+    "hits": "Expert uses whose weights were resident (loaded or prefetched in time).",
+    "misses": "Expert uses that waited for a load (absent, or its prefetch still in flight).",
+    "loads": "Experts loaded from the slow tier (demand and prefetch).",
+    "evictions": "Resident experts evicted to make room.",
+    "prefetches": "Expert prefetches started from predicted next-layer routing.",
+    "prefetches_used": "Prefetched experts used before eviction.",
+    "prefetches_wasted": "Prefetched experts evicted (or failed) before any use.",
+}
 # max/mean tokens per expert: 1 = perfectly balanced, num_experts = everything on one expert.
 # Draft length the speculation controller chose for a decoding sequence in one step (0 = not drafted).
 DRAFT_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
@@ -104,6 +114,11 @@ class EngineMetrics:
         self._hedges = Counter(P + "expert_hedges_total",
                                "Expert calls also sent to another replica after their hedge deadline.",
                                le, registry=r)
+        self._cache = {name: Counter(P + f"expert_cache_{name}_total", doc, m, registry=r).labels(model_name)
+                       for name, doc in CACHE_COUNTERS.items()}
+        self._cache_stall = Counter(P + "expert_cache_stall_seconds_total",
+                                    "Seconds expert calls waited for expert loads (offload).",
+                                    m, registry=r).labels(model_name)
         self._imbalance = Gauge(P + "moe_load_imbalance",
                                 "max/mean tokens per expert of the layer's latest dispatch (1 = balanced).",
                                 m + ["layer"], registry=r)
@@ -237,6 +252,16 @@ class EngineMetrics:
     def record_hedge(self, layer: int, expert: int) -> None:
         """One hedge of a call that carried rows of ``expert`` (counted when it is sent)."""
         self._hedges.labels(self.model_name, str(layer), str(expert)).inc()
+
+    @safe
+    def record_expert_cache(self, stats: Mapping[str, float]) -> None:
+        """Add an expert actor's cache counter deltas (:class:`engine.expert_cache.CacheStats` as a
+        dict, reported with each answer of an offloading actor)."""
+        for name, counter in self._cache.items():
+            if stats.get(name):
+                counter.inc(int(stats[name]))
+        if stats.get("stall_s"):
+            self._cache_stall.inc(max(0.0, float(stats["stall_s"])))
 
     def render(self) -> bytes:
         """This registry as Prometheus text (what the verifier hands to the ingress)."""

@@ -16,6 +16,7 @@ Span trees (process in brackets)::
             specmoe.moe.dispatch         [verifier]  one per MoE layer
               specmoe.expert.call        [verifier]  one per actor call (CLIENT); straggler flag
                 specmoe.expert.compute   [expert]    actor side (SERVER), from the call's carrier
+                specmoe.expert.load      [expert]    offload: one expert loaded (demand or prefetch)
           specmoe.verify                 [verifier]  rejection sampling
 
 See ``actors/telemetry.py`` for where each span is made.
@@ -99,6 +100,8 @@ MOE_NUM_STRAGGLERS: Final = "specmoe.moe.num_stragglers"
 
 SPAN_EXPERT_CALL: Final = "specmoe.expert.call"  # router side, one per (layer, expert) call
 SPAN_EXPERT_COMPUTE: Final = "specmoe.expert.compute"  # actor side (optional)
+SPAN_EXPERT_LOAD: Final = "specmoe.expert.load"  # actor side, offload: one expert slow tier -> resident
+EXPERT_LOAD_PREFETCH: Final = "specmoe.expert.load.prefetch"  # bool: a prefetch (else a demand miss)
 EXPERT_ID: Final = "specmoe.expert.id"
 EXPERT_REPLICA: Final = "specmoe.expert.replica"  # Ray actor id of the replica that served the call
 EXPERT_NUM_TOKENS: Final = "specmoe.expert.num_tokens"

@@ -21,7 +21,12 @@ from kernels.routing import RoutingResult
 
 
 class ExpertExecutor(Protocol):
-    """Runs the routed experts of one MoE layer."""
+    """Runs the routed experts of one MoE layer.
+
+    An executor whose experts are offloaded may also have ``prefetch_enabled = True`` and a
+    ``prefetch(layer, expert_ids)`` method: the model then sends it, before each MoE layer's
+    ``execute``, the experts predicted for the next one (:mod:`engine.expert_predictor`).
+    """
 
     def execute(self, layer: int, hidden: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
         """``hidden``: ``(num_tokens, hidden_size)`` -> ``(num_tokens, hidden_size)``, the
@@ -59,6 +64,12 @@ def combine(expert_out: torch.Tensor, token_index: torch.Tensor, num_tokens: int
     return out.index_add_(0, token_index, expert_out)
 
 
+def expert_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """On-disk shapes of one routed expert's (gate, up, down): ``(I, H)``, ``(I, H)``, ``(H, I)``."""
+    inter, hsize = config.moe.intermediate_size, config.hidden_size
+    return (inter, hsize), (inter, hsize), (hsize, inter)
+
+
 class ExpertStore:
     """Stacked weights of some experts of every MoE layer, loaded lazily from a checkpoint.
 
@@ -92,10 +103,8 @@ class ExpertStore:
         if layer not in self._layers:
             if layer not in self.config.moe.sparse_layers:
                 raise ValueError(f"layer {layer} is not an MoE layer")
-            inter, hsize = self.config.moe.intermediate_size, self.config.hidden_size
-            shapes = ((inter, hsize), (inter, hsize), (hsize, inter))
             stacks = []
-            for which, shape in enumerate(shapes):
+            for which, shape in enumerate(expert_shapes(self.config)):
                 tensors = [
                     self._reader.get(expert_names(self.config, layer, e)[which], shape, self._dtype, self._device)
                     for e in self.expert_ids

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig
+from engine.expert_predictor import PreGatePredictor
 from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
 from engine.model.dense import DenseOps
@@ -79,6 +80,7 @@ class Transformer:
         self.lm_head = self.embed if c.tie_word_embeddings else load("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.layers = [self._load_layer(load, i) for i in range(c.num_layers)]
         self.dense = DenseOps(compile)
+        self.predictor = self._predictor(experts)
         self.rotary = Rotary(c.head_dim, c.rope_theta, dtype, device)
 
     def _load_layer(self, load: _Loader, i: int) -> _Layer:
@@ -107,6 +109,13 @@ class Transformer:
         else:
             layer.mlp = load.mlp(p + "mlp.", c.intermediate_size, c.hidden_size)
         return layer
+
+    def _predictor(self, experts: ExpertExecutor | None) -> PreGatePredictor | None:
+        """Prefetch hints for an executor that takes them (``prefetch_enabled``: an offloading pool)."""
+        if not getattr(experts, "prefetch_enabled", False):
+            return None
+        routers = {i: layer.router for i, layer in enumerate(self.layers) if layer.router is not None}
+        return PreGatePredictor(routers, self.config.moe.top_k, experts.prefetch)
 
     def new_kv_cache(self, max_seqs: int, max_len: int | None = None) -> KVCache:
         """A cache sized for this model; ``max_len`` defaults to the context window."""
@@ -158,6 +167,8 @@ class Transformer:
             return swiglu(h, *layer.mlp)
         moe = self.config.moe
         routing = topk_routing(F.linear(h, layer.router), moe.top_k, moe.renormalize)
+        if self.predictor is not None:
+            self.predictor.hint(i, h, routing)
         out = self.experts.execute(i, h, routing)
         if layer.shared is not None:
             out = out + torch.sigmoid(F.linear(h, layer.shared_gate)) * swiglu(h, *layer.shared)

@@ -137,11 +137,11 @@ class _Cluster:
         cluster = self
 
         class _Creator:
-            def remote(self, checkpoint, expert_ids, dtype, device, threads, tracing):
+            def remote(self, checkpoint, expert_ids, dtype, device, threads, tracing, offload=None):
                 name = options["name"]
                 assert options["get_if_exists"]
                 if name not in cluster.actors:
-                    cluster.actors[name] = FakeActor(ExpertWorker(checkpoint, expert_ids, dtype))
+                    cluster.actors[name] = FakeActor(ExpertWorker(checkpoint, expert_ids, dtype, offload=offload))
                     cluster.options[name] = options
                 return cluster.actors[name]
 

@@ -124,7 +124,8 @@ class FakePool(ExpertPool):
         return pool
 
     def _make(self, group: int, index: int, generation: int) -> Replica:
-        worker = expert_actor.ExpertWorker(self.checkpoint, self.groups[group], self.dtype)
+        worker = expert_actor.ExpertWorker(self.checkpoint, self.groups[group], self.dtype,
+                                           offload=self.config.offload_settings())
         handle = FakeActor(worker, self.behaviour(group, index, generation))
         return Replica(group, index, generation, f"g{group}-r{index}-v{generation}", handle)
 
