@@ -39,6 +39,7 @@ class GraphStats:
     executions: int = 0
     failures: int = 0
     idle_teardowns: int = 0
+    rebuilds: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -124,6 +125,16 @@ class ActorGraph:
                 return None
             self.stats.executions += 1
             return results
+
+    def rebuild(self) -> None:
+        """Drop the live graph (torn down in the background): the members changed, so the next
+        request builds one over the current ``members()``. Until then requests get None."""
+        with self._lock:
+            if self._dag is None:
+                return
+            dag, self._dag, self._actors = self._dag, None, []
+            self.stats.rebuilds += 1
+            self._teardowns.append(_teardown_in_background(dag, self.name))
 
     def request_build(self) -> None:
         """Say the graph is wanted now: builds in the background once it has been wanted for

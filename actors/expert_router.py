@@ -5,11 +5,17 @@ The model's forward runs in the verifier's engine thread; for each MoE layer it 
 same thread (no event-loop hop: the loop that streams outputs never carries a dispatch). Two
 transports (``experts.transport``):
 
-* ``compiled_graph``: one execution of the replica's expert :class:`ActorGraph` per layer; while the graph
-  builds, after it failed, or for a retry, the layer goes by actor calls.
-* ``actor_calls``: one ``.remote()`` per group, then ``ray.wait`` per arrival. The replica with the
-  least outstanding rows wins (tie: lowest recent latency). A call that fails (dead actor) or times
-  out is retried on another replica of the group, re-creating the actor when none is left.
+* ``compiled_graph``: one execution of the replica's expert :class:`ActorGraph` per layer, over the
+  fastest replica of every group plus the guest replicas; while the graph builds, after it failed,
+  or for a retry, the layer goes by actor calls. The graph is rebuilt when the replicas change
+  (:mod:`actors.replication`) or when a member turns into a straggler next to a replica outside it.
+* ``actor_calls``: one ``.remote()`` per call, then ``ray.wait`` per arrival. A call that fails
+  (dead actor) or times out is retried on another replica of the group, re-creating the actor when
+  none is left.
+
+Either way a group's rows go to its replicas with the least expected completion, split in even
+contiguous parts over several of them when there are enough rows, stragglers avoided and probed
+(:mod:`actors.replica_choice`); each answered call feeds its actor's latency EWMA.
   With >= 2 live replicas, a call not back by its group's hedge deadline (``experts.hedge_*``:
   a factor times a recent-latency quantile, at least a floor) is also sent to another replica;
   the first answer wins, the other is cancelled and its late result never read
@@ -21,6 +27,7 @@ Experts are deterministic, so a retried or re-routed layer gives the same output
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +37,8 @@ import torch
 from actors.compiled_graph import ActorGraph
 from actors.expert_pool import ExpertPool, Replica
 from actors.hedging import HedgePolicy, Losers
+from actors.replica_choice import choose, is_avoided, probe_due, split_counts
+from actors.replication import Rebalancer
 from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
@@ -91,11 +100,15 @@ class NullTelemetry:
 
 @dataclass
 class _Call:
-    """One group's slice of a layer: its record and rows (encoded per transport when sent)."""
+    """One contiguous part of a group's rows in a layer: its record and rows (encoded per
+    transport when sent), the layer rows ``[start, end)`` it fills, the replica planned for it."""
 
     record: CallRecord
     hidden: torch.Tensor  # (rows, hidden_size)
     weights: torch.Tensor  # (rows,) float32, on the host
+    start: int = 0
+    end: int = 0
+    replica: Replica | None = None
     wire: Any = None  # ``hidden`` in the actor-call wire format, made once for every attempt
     carrier: dict | None = None  # trace context of the call span, shared by its attempts
 
@@ -139,6 +152,12 @@ class ExpertRouter:
         self.num_hedges = 0
         self.num_graph_layers = 0
         self.num_call_layers = 0
+        self.num_probes = 0
+        replication = pool.config.replication
+        self.rebalancer = Rebalancer(pool, replication, ray) if replication.enabled else None
+        self._graph_version = -1  # the pool version the graph being built or live was made from
+        # max/mean rows per expert actor of each recent dispatch (the balance replication aims at)
+        self.actor_imbalance: deque[float] = deque(maxlen=4096)
 
     def execute(self, layer: int, hidden: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
         """``(num_tokens, hidden_size)`` -> the routing-weighted sum of each token's experts.
@@ -152,7 +171,7 @@ class ExpertRouter:
 
     def run_layer(self, layer: int, rows: torch.Tensor, weights: torch.Tensor,
                   expert_counts: list[int]) -> torch.Tensor:
-        """Send each group's contiguous rows to its actor; gather the outputs in order.
+        """Send each group's contiguous rows to its replicas; gather the outputs in order.
 
         Args:
             rows: ``(num_rows, hidden_size)`` grouped by expert; weights: ``(num_rows,)`` float32;
@@ -162,49 +181,121 @@ class ExpertRouter:
             ``(num_rows, hidden_size)`` weighted expert outputs, in ``rows`` order.
         """
         out = torch.empty_like(rows)
-        calls, slices, start = [], [], 0
         w = weights.detach().to("cpu", torch.float32)  # explicit host copy: the wire boundary
-        for g, experts in enumerate(self.pool.groups):
-            counts = [expert_counts[e] for e in experts]
-            n = sum(counts)
-            if n:
-                calls.append(_Call(CallRecord(layer, g, experts, counts, n), rows[start:start + n], w[start:start + n]))
-                slices.append((start, start + n))
-            start += n
+        self._between_dispatches()
+        members = self._live_members()
+        calls = self._plan(layer, rows, w, expert_counts, members)
+        if calls is None:  # a group has no usable member in the live graph: this layer by actor calls
+            members, calls = None, self._plan(layer, rows, w, expert_counts, None)
+        self._record_balance(calls, expert_counts)
         records = [c.record for c in calls]
         ctx = self.telemetry.begin_dispatch(layer, rows.shape[0], records, self.telemetry.current_carrier())
         error = None
         try:
-            results = self._via_graph(layer, calls, ctx)
+            results = self._via_graph(layer, calls, ctx, members) if members is not None else None
             if results is None:
                 results = self._via_actor_calls(layer, calls, ctx)
                 self.num_call_layers += 1
             else:
                 self.num_graph_layers += 1
+            self._probe(layer, calls)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
             self.telemetry.end_dispatch(ctx, layer, expert_counts, records, error)
-        for (a, b), result in zip(slices, results):
-            out[a:b] = result
+        for c, result in zip(calls, results):
+            out[c.start:c.end] = result
         return out
 
-    def _via_graph(self, layer: int, calls: list[_Call], ctx: Any) -> list | None:
-        """One compiled-graph execution, or None (no live graph, or it failed: use actor calls)."""
-        if self.graph is None or not calls:
+    def _between_dispatches(self) -> None:
+        """Reap ended losers and probes, let the rebalancer act, rebuild a stale graph."""
+        self.losers.reap()
+        if self.rebalancer is not None:
+            self.rebalancer.step()
+        if self.graph is None or not self.graph.live:
+            return
+        members = self.graph.members
+        stale = self._graph_version != self.pool.version
+        slow = any(m.host is None and is_avoided(m, [r for r in self.pool.alive(m.group)
+                                                     if r.host is None and r not in members], self.pool.config)
+                   for m in members)
+        if stale or slow:
+            self.graph.rebuild()  # this and the next layers go by actor calls until it is live again
+
+    def _live_members(self) -> list[Replica] | None:
+        if self.graph is None:
             return None
         if not self.graph.live:
             self.graph.request_build()  # in the background; this layer goes by actor calls
             return None
+        return self.graph.members
+
+    def _plan(self, layer: int, rows: torch.Tensor, w: torch.Tensor, expert_counts: list[int],
+              members: list[Replica] | None) -> list[_Call] | None:
+        """The layer's calls: each group's rows over its chosen replicas (members of the live graph
+        when ``members`` is given; None when a group with rows has none usable there)."""
+        calls, planned, start = [], {}, 0
+        for g, experts in enumerate(self.pool.groups):
+            counts = [expert_counts[e] for e in experts]
+            n = sum(counts)
+            if not n:
+                continue
+            usable = self.pool.alive(g)
+            if members is not None:
+                usable = [r for r in usable if any(r is m for m in members)]
+                if not usable:
+                    return None
+            chosen = choose(usable, n, self.pool.config, planned) if usable else [None]
+            for replica, (part, a, b) in zip(chosen, split_counts(counts, len(chosen))):
+                rec = CallRecord(layer, g, experts, part, b - a)
+                calls.append(_Call(rec, rows[start + a:start + b], w[start + a:start + b], start + a, start + b,
+                                   replica))
+            start += n
+        return calls
+
+    def _record_balance(self, calls: list[_Call], expert_counts: list[int]) -> None:
+        """max/mean planned rows per expert actor of this dispatch; the rebalancer's routed rows."""
+        per_actor = {id(r.stats): 0 for r in self.pool.actors() if r.alive}
+        for c in calls:
+            if c.replica is not None and id(c.replica.stats) in per_actor:
+                per_actor[id(c.replica.stats)] += c.record.rows
+        total = sum(per_actor.values())
+        if total:
+            self.actor_imbalance.append(max(per_actor.values()) / (total / len(per_actor)))
+        if self.rebalancer is not None:
+            self.rebalancer.observe([sum(expert_counts[e] for e in experts) for experts in self.pool.groups])
+
+    def _probe(self, layer: int, calls: list[_Call]) -> None:
+        """Send a copy of one call of each group to every usable replica due a probe (its result
+        is never waited for; it ends as a loser that is not cancelled)."""
+        now = time.monotonic()
+        first: dict[int, _Call] = {}
+        chosen: dict[int, list[Replica]] = {}
+        for c in calls:
+            first.setdefault(c.record.group, c)
+            chosen.setdefault(c.record.group, []).append(c.replica)
+        for g, c in first.items():
+            for r in self.pool.alive(g):
+                if probe_due(r, chosen[g], self.pool.config.probe_interval_s, now):
+                    probe = self._send(layer, c, r)
+                    self.losers.add(probe.ref, r, c.record.rows, probe.sent_mono_s, 0.0, cancel=False)
+                    self.num_probes += 1
+
+    def _via_graph(self, layer: int, calls: list[_Call], ctx: Any, members: list[Replica]) -> list | None:
+        """One compiled-graph execution, or None (the graph failed: use actor calls)."""
+        if not calls:
+            return []
         sent_s = time.time()
-        per_group: list = [None] * len(self.pool.groups)
+        index = {id(m): i for i, m in enumerate(members)}
+        per_member: list = [None] * len(members)
         for c in calls:
             c.record.sent_s, c.record.attempts, c.record.transport = sent_s, 1, "compiled_graph"
-            per_group[c.record.group] = (c.record.counts, to_bytes(c.hidden), to_bytes(c.weights),
-                                         self.telemetry.call_carrier(ctx, c.record))
-        replicas = self.graph.members
-        results = self.graph.execute((layer, per_group, sent_s))
+            c.record.replica = c.replica.name
+            call = (c.record.counts, to_bytes(c.hidden), to_bytes(c.weights), self.telemetry.call_carrier(ctx, c.record))
+            per_member[index[id(c.replica)]] = call if c.replica.host is None else (*call, c.record.expert_ids)
+            c.replica.stats.last_call_s = time.monotonic()
+        results = self.graph.execute((layer, per_member, sent_s))
         if results is None:
             for c in calls:
                 self.telemetry.abandon_call(c.record, "compiled graph failed")
@@ -212,16 +303,15 @@ class ExpertRouter:
             return None
         out = []
         for c in calls:
-            result, timing = results[c.record.group]
-            self._done(c.record, replicas[c.record.group], timing)
+            result, timing = results[index[id(c.replica)]]
+            self._done(c.record, c.replica, timing)
             out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
 
     def _via_actor_calls(self, layer: int, calls: list[_Call], ctx: Any) -> list:
         """Every group's call in flight at once; hedged past its deadline; retried on another
         replica until ``max_attempts``."""
-        results: dict[int, Any] = {}
-        self.losers.reap()
+        results: dict[int, Any] = {}  # id(call) -> its output rows
         todo = list(calls)
         while todo:
             inflight: dict[Any, _Attempt] = {}
@@ -230,7 +320,8 @@ class ExpertRouter:
                 if rec.attempts >= self.max_attempts:
                     raise ExpertCallFailed(f"layer {rec.layer} experts {rec.expert_ids}: all {self.max_attempts} "
                                            f"attempts failed ({'; '.join(rec.errors)})")
-                replica = self._pick(rec.group)
+                planned = c.replica if rec.attempts == 0 and c.replica is not None and c.replica.alive else None
+                replica = planned or self._pick(rec.group)
                 rec.attempts, rec.replica, rec.transport = rec.attempts + 1, replica.name, "actor_call"
                 rec.sent_s = time.time()
                 c.carrier = self.telemetry.call_carrier(ctx, rec)
@@ -240,16 +331,18 @@ class ExpertRouter:
                     attempt.hedge_at = attempt.sent_mono_s + deadline_ms / 1e3
                 inflight[attempt.ref] = attempt
             todo = self._collect(layer, inflight, results)
-        return [results[c.record.group] for c in calls]
+        return [results[id(c)] for c in calls]
 
     def _send(self, layer: int, c: _Call, replica: Replica) -> _Attempt:
         """One ``forward`` call of ``c``'s rows to ``replica`` (its rows count as outstanding there)."""
         if c.wire is None:
             c.wire = to_wire(c.hidden)
-        replica.outstanding_rows += c.record.rows
-        sent_s = time.time()
-        ref = replica.handle.forward.remote(layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier)
-        return _Attempt(ref, c, replica, sent_s, time.monotonic())
+        sent_s, sent_mono_s = time.time(), time.monotonic()
+        replica.begin(c.record.rows, sent_mono_s)
+        args = (layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier)
+        if replica.host is not None:  # a guest: its host also holds its own group's experts
+            args = (*args, c.record.expert_ids)
+        return _Attempt(replica.handle.forward.remote(*args), c, replica, sent_s, sent_mono_s)
 
     def _collect(self, layer: int, inflight: dict, results: dict) -> list[_Call]:
         """Wait for each call as it arrives (so each gets its own latency), hedging the ones past
@@ -268,7 +361,7 @@ class ExpertRouter:
                 continue  # a hedge deadline passed
             a = inflight.pop(ready[0])
             c, replica = a.call, a.replica
-            replica.outstanding_rows -= c.record.rows
+            replica.end(c.record.rows)
             twins = [ref for ref in pending if inflight[ref].call is c]
             try:
                 result, timing = ray.get(ready[0])
@@ -284,7 +377,7 @@ class ExpertRouter:
             c.record.hedge_won = a.hedge
             if a.hedge:  # a fresh head-to-head: the winner's view is its latency now (a stale EWMA
                 replica.ewma_latency_ms = own_ms  # would send the next call back to the straggler)
-            results[c.record.group] = from_wire(result, c.hidden.dtype, c.hidden.device)
+            results[id(c)] = from_wire(result, c.hidden.dtype, c.hidden.device)
             for ref in twins:  # the loser: cancelled, its late result never read
                 pending.remove(ref)
                 loser = inflight.pop(ref)
@@ -292,7 +385,7 @@ class ExpertRouter:
         timed_out: dict[int, _Call] = {}
         for ref in pending:
             a = inflight[ref]
-            a.replica.outstanding_rows -= a.call.record.rows
+            a.replica.end(a.call.record.rows)
             a.replica.observe_latency(self.timeout_s * 1e3)  # prefer other replicas next time
             if id(a.call) not in timed_out:
                 timed_out[id(a.call)] = a.call
@@ -310,7 +403,7 @@ class ExpertRouter:
             others = [r for r in self.pool.alive(a.call.record.group) if r.name not in busy]
             if not others:
                 continue
-            other = min(others, key=lambda r: (r.outstanding_rows, r.ewma_latency_ms, r.index))
+            other = min(others, key=lambda r: (r.stats.expected_ms(), r.outstanding_rows, r.index))
             waited_ms = a.waited_ms = (now - a.sent_mono_s) * 1e3
             # At least this slow now: the router prefers the other replica once the hedge wins.
             a.replica.ewma_latency_ms = max(a.replica.ewma_latency_ms, waited_ms)
@@ -349,17 +442,23 @@ class ExpertRouter:
         return own_ms
 
     def _graph_members(self) -> tuple[list[Replica], str]:
-        """One live replica of every group (a dead one is re-created by the next actor call first)."""
-        if not all(self.pool.alive(g) for g in range(len(self.pool.groups))):
+        """The fastest live replica of every group, then every usable guest (its host's actor is
+        bound once more: a guest call is a second task of that actor per execution)."""
+        own = [[r for r in self.pool.alive(g) if r.host is None] for g in range(len(self.pool.groups))]
+        if not all(own):
             raise RuntimeError("an expert group has no live replica yet")
-        return [self.pool.alive(g)[0] for g in range(len(self.pool.groups))], "forward_graph"
+        self._graph_version = self.pool.version
+        best = [min(rs, key=lambda r: (r.stats.expected_ms(), r.index)) for rs in own]
+        guests = [r for g in range(len(self.pool.groups)) for r in self.pool.alive(g) if r.host is not None]
+        return best + guests, "forward_graph"
 
     def close(self) -> None:
         if self.graph is not None:
             self.graph.close()
 
     def _pick(self, group: int) -> Replica:
+        """The replica of ``group`` with the least expected completion (a retry, or no plan)."""
         alive = self.pool.alive(group)
         if not alive:
             return self.pool.recreate(self.pool.replicas[group][0])
-        return min(alive, key=lambda r: (r.outstanding_rows, r.ewma_latency_ms, r.index))
+        return choose(alive, 1, self.pool.config, {})[0]

@@ -80,7 +80,8 @@ class _Loser:
 
 
 class Losers:
-    """Calls whose twin won: cancelled, their rows outstanding on their replica until they end.
+    """Calls whose result is not needed (a hedge's loser, cancelled; a probe): their rows stay
+    outstanding on their replica until they end.
 
     Args:
         ray_module: the ``ray`` module the router uses (``wait``, ``cancel``; a fake in tests).
@@ -91,18 +92,22 @@ class Losers:
         self.pending: list[_Loser] = []
         self.num_cancelled = 0
 
-    def add(self, ref: Any, replica: Any, rows: int, sent_mono_s: float, observed_ms: float) -> None:
+    def add(self, ref: Any, replica: Any, rows: int, sent_mono_s: float, observed_ms: float,
+            cancel: bool = True) -> None:
         """Cancel ``ref`` (a queued call never runs; a running one finishes, unread).
 
         Args:
             sent_mono_s: ``time.monotonic()`` when it was sent; observed_ms: the latency already
                 observed for it on ``replica`` (the wait before its hedge).
+            cancel: False for a probe (:mod:`actors.replica_choice`): it runs to its end, only
+                its latency is wanted.
         """
-        try:
-            self.ray.cancel(ref)
-            self.num_cancelled += 1
-        except Exception:
-            log.debug("cancelling a hedged call's loser failed", exc_info=True)
+        if cancel:
+            try:
+                self.ray.cancel(ref)
+                self.num_cancelled += 1
+            except Exception:
+                log.debug("cancelling a hedged call's loser failed", exc_info=True)
         running_ms = (time.monotonic() - sent_mono_s) * 1e3
         self.pending.append(_Loser(ref, replica, rows, sent_mono_s, running_ms, observed_ms))
 
@@ -125,7 +130,7 @@ class Losers:
         still = []
         for x in self.pending:
             if id(x.ref) in done_ids:
-                x.replica.outstanding_rows -= x.rows
+                x.replica.end(x.rows)
                 if x.running_ms > x.observed_ms:
                     x.replica.observe_latency(x.running_ms)
             else:
