@@ -198,7 +198,7 @@ class ExpertRouter:
                 self.num_call_layers += 1
             else:
                 self.num_graph_layers += 1
-            self._probe(layer, calls)
+            self._probe(layer, calls, members)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             raise
@@ -266,7 +266,7 @@ class ExpertRouter:
         if self.rebalancer is not None:
             self.rebalancer.observe([sum(expert_counts[e] for e in experts) for experts in self.pool.groups])
 
-    def _probe(self, layer: int, calls: list[_Call]) -> None:
+    def _probe(self, layer: int, calls: list[_Call], members: list[Replica] | None) -> None:
         """Send a copy of one call of each group to every usable replica due a probe (its result
         is never waited for; it ends as a loser that is not cancelled)."""
         now = time.monotonic()
@@ -277,9 +277,10 @@ class ExpertRouter:
             chosen.setdefault(c.record.group, []).append(c.replica)
         for g, c in first.items():
             for r in self.pool.alive(g):
-                if probe_due(r, chosen[g], self.pool.config.probe_interval_s, now):
+                outside = members is not None and not any(r is m for m in members)
+                if probe_due(r, chosen[g], self.pool.config.probe_interval_s, outside, now):
                     probe = self._send(layer, c, r)
-                    self.losers.add(probe.ref, r, c.record.rows, probe.sent_mono_s, 0.0, cancel=False)
+                    self.losers.add_probe(probe.ref, r, c.record.rows, probe.sent_s, probe.sent_mono_s)
                     self.num_probes += 1
 
     def _via_graph(self, layer: int, calls: list[_Call], ctx: Any, members: list[Replica]) -> list | None:

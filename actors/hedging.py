@@ -1,4 +1,4 @@
-"""Hedged expert calls: per-group deadlines from recent latencies, and the losers still in flight.
+"""Hedged expert calls: per-group deadlines from recent latencies, and the losers (and probes) still in flight.
 
 A call on the actor-call path that has not returned ``deadline_ms(group)`` after it was sent is
 sent again to another live replica of its group; the first result is taken (experts are
@@ -77,6 +77,7 @@ class _Loser:
     sent_mono_s: float  # time.monotonic() of its send
     running_ms: float  # it was still running this long after its send (a lower bound of its latency)
     observed_ms: float  # the part of running_ms already given to the replica's latency
+    probe_sent_s: float | None = None  # a probe: time.time() of its send (its latency is read exactly)
 
 
 class Losers:
@@ -92,24 +93,27 @@ class Losers:
         self.pending: list[_Loser] = []
         self.num_cancelled = 0
 
-    def add(self, ref: Any, replica: Any, rows: int, sent_mono_s: float, observed_ms: float,
-            cancel: bool = True) -> None:
+    def add(self, ref: Any, replica: Any, rows: int, sent_mono_s: float, observed_ms: float) -> None:
         """Cancel ``ref`` (a queued call never runs; a running one finishes, unread).
 
         Args:
             sent_mono_s: ``time.monotonic()`` when it was sent; observed_ms: the latency already
                 observed for it on ``replica`` (the wait before its hedge).
-            cancel: False for a probe (:mod:`actors.replica_choice`): it runs to its end, only
-                its latency is wanted.
         """
-        if cancel:
-            try:
-                self.ray.cancel(ref)
-                self.num_cancelled += 1
-            except Exception:
-                log.debug("cancelling a hedged call's loser failed", exc_info=True)
+        try:
+            self.ray.cancel(ref)
+            self.num_cancelled += 1
+        except Exception:
+            log.debug("cancelling a hedged call's loser failed", exc_info=True)
         running_ms = (time.monotonic() - sent_mono_s) * 1e3
         self.pending.append(_Loser(ref, replica, rows, sent_mono_s, running_ms, observed_ms))
+
+    def add_probe(self, ref: Any, replica: Any, rows: int, sent_s: float, sent_mono_s: float) -> None:
+        """A probe (:mod:`actors.replica_choice`): not cancelled; when it ends, its own latency (from
+        ``sent_s``, ``time.time()``, to the actor's end of compute) becomes ``replica``'s latency view:
+        a fresh measurement of a replica that got no other call, so a recovered straggler is used
+        again at once and one still slow stays avoided."""
+        self.pending.append(_Loser(ref, replica, rows, sent_mono_s, 0.0, 0.0, probe_sent_s=sent_s))
 
     def reap(self) -> int:
         """Drop the losers that have ended (result or cancellation, never read); returns how many.
@@ -131,7 +135,9 @@ class Losers:
         for x in self.pending:
             if id(x.ref) in done_ids:
                 x.replica.end(x.rows)
-                if x.running_ms > x.observed_ms:
+                if x.probe_sent_s is not None:
+                    self._probe_latency(x)
+                elif x.running_ms > x.observed_ms:
                     x.replica.observe_latency(x.running_ms)
             else:
                 x.running_ms = (now - x.sent_mono_s) * 1e3
@@ -139,6 +145,14 @@ class Losers:
         reaped = len(self.pending) - len(still)
         self.pending = still
         return reaped
+
+    def _probe_latency(self, x: _Loser) -> None:
+        try:
+            _, timing = self.ray.get(x.ref)
+        except Exception:  # a dead replica is found by the next real call
+            log.debug("a probe failed", exc_info=True)
+            return
+        x.replica.ewma_latency_ms = max(0.0, timing["start_s"] + timing["compute_ms"] / 1e3 - x.probe_sent_s) * 1e3
 
     def forget(self, replica: Any) -> None:
         """A replica was re-created: its losers will never be waited for again."""

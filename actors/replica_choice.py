@@ -8,7 +8,7 @@ rule (``straggler_multiple`` x the group's best and above ``straggler_floor_ms``
 that flags stragglers) is avoided; the others share the rows: up to ``rows // split_min_rows``
 of them, in contiguous parts of even size. An avoided replica still gets a probe (a copy of one
 call, nobody waits for it) every ``probe_interval_s``, so its latency view follows it when it
-recovers. Experts are deterministic and row-wise, so any split gives the same output rows.
+recovers (a probe's latency replaces its view: :meth:`actors.hedging.Losers.add_probe`). Experts are deterministic and row-wise, so any split gives the same output rows.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, in
 
 
 def is_avoided(replica: Replica, others: Sequence[Replica], config) -> bool:
-    """Whether the straggler rule avoids ``replica`` against the best of ``others``."""
+    """Whether the straggler rule avoids ``replica`` against the best of ``others`` that have a
+    latency view (a replica never measured is no evidence)."""
+    others = [r for r in others if r.stats.ewma_latency_ms]
     if not others:
         return False
     best = min(r.stats.expected_ms() for r in others)
@@ -70,10 +72,12 @@ def split_counts(counts: Sequence[int], parts: int) -> list[tuple[list[int], int
     return out
 
 
-def probe_due(replica: Replica, chosen: Sequence[Replica], interval_s: float, now_s: float | None = None) -> bool:
-    """Whether ``replica`` (not chosen this layer) should get a probe now: it has a latency view (one
-    without is chosen first anyway), got no call or probe for ``interval_s`` and has nothing in flight."""
-    if any(replica is r for r in chosen) or replica.inflight or not replica.stats.ewma_latency_ms:
+def probe_due(replica: Replica, chosen: Sequence[Replica], interval_s: float, unmeasured: bool,
+              now_s: float | None = None) -> bool:
+    """Whether ``replica`` (not chosen this layer) should get a probe now: it got no call or probe
+    for ``interval_s``, has nothing in flight, and has a latency view unless ``unmeasured`` (a
+    replica outside the live compiled graph; one without a view is otherwise chosen first anyway)."""
+    if any(replica is r for r in chosen) or replica.inflight or not (unmeasured or replica.stats.ewma_latency_ms):
         return False
     now_s = time.monotonic() if now_s is None else now_s
     return now_s - replica.stats.last_call_s >= interval_s

@@ -88,11 +88,11 @@ class Rebalancer:
         cold = self._cold_guests(mean)
         if now_s - self._last_change_s < self.config.min_interval_s:
             return
-        if self._hot_checks >= self.config.patience_checks and self._add(actors, peak):
-            self._hot_checks, self._last_change_s = 0, now_s
-        elif cold:
+        if cold:  # first: a guest that is not needed may itself be what makes its host hot
             self._drain(cold[0])
             self._last_change_s = now_s
+        elif self._hot_checks >= self.config.patience_checks and self._add(actors, peak):
+            self._hot_checks, self._last_change_s = 0, now_s
 
     def _cold_guests(self, mean: float) -> list[Replica]:
         """Guests cold for ``patience_checks`` checks: without them their group would stay below
@@ -127,7 +127,7 @@ class Rebalancer:
                  if k not in serving and guests.get(k, 0) < self.config.guest_slots_per_actor]
         if not hosts:
             return False
-        load, host = min(hosts, key=lambda x: (x[0], x[1].group, x[1].index))
+        load, host = min(hosts, key=lambda x: (x[0], x[1].stats.expected_ms(), x[1].group, x[1].index))
         if load + self.loads[group] / (len(serving) + 1) >= peak:
             return False
         guest, ref = self.pool.add_guest(group, host)

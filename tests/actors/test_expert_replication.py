@@ -42,8 +42,11 @@ def _greedy(llm: LLM, max_tokens: int = 8) -> list[list[int]]:
 
 
 def _attach(llm: LLM, checkpoint: str, **config) -> ExpertRouter:
-    """Route ``llm``'s experts through a fake pool of 4 actors (2 experts each)."""
-    pool = FakePool.started(checkpoint, **{"experts_per_actor": 2, "split_min_rows": 1, **config})
+    """Route ``llm``'s experts through a fake pool of 4 actors (2 experts each). The fake runs calls
+    one after another at ``get``, so later calls of a layer look slower: a high straggler floor
+    keeps the straggler rule (tested in test_replica_choice.py) out of these tests."""
+    pool = FakePool.started(checkpoint, **{"experts_per_actor": 2, "split_min_rows": 1, "straggler_floor_ms": 1e3,
+                                           **config})
     router = ExpertRouter(pool, torch.float32)
     llm.engine.target.model.experts = router
     return router
@@ -143,5 +146,5 @@ def test_cold_guests_are_removed_when_the_load_evens_out(fake_ray, skewed):
     rows, weights = torch.randn(8, llm.engine.target.config.hidden_size), torch.rand(8)
     for _ in range(50 * REPLICATION.check_every_dispatches):  # the EWMA forgets the skew, then one removal a check
         router.run_layer(llm.engine.target.config.moe.sparse_layers[0], rows, weights, even)
-    assert [r for r in router.pool.replicas[0] if r.host is not None] == []
-    assert router.rebalancer.num_removed == added
+    assert all(len(router.pool.replicas[g]) == 1 for g in range(4))  # only the static replicas left
+    assert router.rebalancer.num_removed == router.rebalancer.num_added >= added

@@ -2,7 +2,8 @@
 
 ``FakeRay`` replaces the ``ray`` module inside ``actors.expert_router`` / ``actors.draft_server``
 (monkeypatched): ``wait`` reports every non-hung ref ready at once and times out immediately on
-hung ones, ``get`` returns a ref's value or raises what the actor "did". ``FakeActor`` wraps a plain
+hung ones, ``get`` returns a ref's value or raises what the actor "did" (a call to an actor without
+delay is computed when sent, a delayed one when got, its timing moved to when its delay ended). ``FakeActor`` wraps a plain
 object (e.g. an in-process ``ExpertWorker``) as an actor handle whose behaviour a test sets:
 ``"ok"`` (calls the object), ``"dead"`` or ``"killed"`` (RayActorError) or ``"hung"`` (never ready). A
 handle's ``set_delay_ms`` (the straggler knob) makes its later calls ready only that long after they
@@ -49,7 +50,17 @@ class _Method:
             def died():
                 raise ray.exceptions.RayActorError()
             return FakeRef(died)
-        return FakeRef(lambda: getattr(actor.target, self.name)(*args), ready_at_s=time.monotonic() + actor.delay_s)
+        if not actor.delay_s:  # an idle actor computes at once (so its timings are its own)
+            value = getattr(actor.target, self.name)(*args)
+            return FakeRef(lambda: value)
+        ready_at_s = time.monotonic() + actor.delay_s
+
+        def late():  # computed when got, timed as if it ran when its delay ended
+            value = getattr(actor.target, self.name)(*args)
+            if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict) and "start_s" in value[1]:
+                value[1]["start_s"] -= max(0.0, time.monotonic() - ready_at_s)
+            return value
+        return FakeRef(late, ready_at_s=ready_at_s)
 
 
 class FakeActor:
