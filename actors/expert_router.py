@@ -268,17 +268,23 @@ class ExpertRouter:
 
     def _probe(self, layer: int, calls: list[_Call], members: list[Replica] | None) -> None:
         """Send a copy of one call of each group to every usable replica due a probe (its result
-        is never waited for; it ends as a loser that is not cancelled)."""
-        now = time.monotonic()
+        is never waited for; it ends as a probe in :class:`Losers`). A group whose graph member
+        straggled this layer (the straggler rule against the layer's median) has its replicas
+        outside the graph probed at once, so the next layer can rebuild the graph without it."""
+        now, cfg = time.monotonic(), self.pool.config
         first: dict[int, _Call] = {}
         chosen: dict[int, list[Replica]] = {}
         for c in calls:
             first.setdefault(c.record.group, c)
             chosen.setdefault(c.record.group, []).append(c.replica)
+        latencies = sorted(c.record.latency_ms for c in calls)
+        bound_ms = max(cfg.straggler_floor_ms, cfg.straggler_multiple * latencies[len(latencies) // 2]) if calls else 0
         for g, c in first.items():
+            straggled = members is not None and any(x.record.latency_ms > bound_ms for x in calls if x.record.group == g)
             for r in self.pool.alive(g):
                 outside = members is not None and not any(r is m for m in members)
-                if probe_due(r, chosen[g], self.pool.config.probe_interval_s, outside, now):
+                interval_s = 0.0 if straggled and outside else cfg.probe_interval_s
+                if probe_due(r, chosen[g], interval_s, outside, now):
                     probe = self._send(layer, c, r)
                     self.losers.add_probe(probe.ref, r, c.record.rows, probe.sent_s, probe.sent_mono_s)
                     self.num_probes += 1
@@ -452,6 +458,15 @@ class ExpertRouter:
         best = [min(rs, key=lambda r: (r.stats.expected_ms(), r.index)) for rs in own]
         guests = [r for g in range(len(self.pool.groups)) for r in self.pool.alive(g) if r.host is not None]
         return best + guests, "forward_graph"
+
+    def replication_stats(self) -> dict:
+        """Usable replicas per group, guests added/removed, and the mean max/mean rows per actor of
+        the latest 256 dispatches (verifier stats, benchmarks)."""
+        recent = list(self.actor_imbalance)[-256:]
+        rb = self.rebalancer
+        return {"replicas_per_group": [len(self.pool.alive(g)) for g in range(len(self.pool.groups))],
+                "guests_added": rb.num_added if rb else 0, "guests_removed": rb.num_removed if rb else 0,
+                "actor_imbalance_recent": sum(recent) / len(recent) if recent else None}
 
     def close(self) -> None:
         if self.graph is not None:

@@ -159,6 +159,8 @@ class VerifierServer:
         m = self.engine.get_metrics()
         m["expert_retries"] = self.router.num_retries if self.router else 0
         m["expert_hedges"] = self.router.num_hedges if self.router else 0
+        m["expert_probes"] = self.router.num_probes if self.router else 0
+        m["expert_replication"] = self.router.replication_stats() if self.router else {}
         drafter_graph = getattr(self.engine.drafter, "graph", None)
         m["draft_transport"] = {"live": drafter_graph.live, **drafter_graph.stats.as_dict()} if drafter_graph else {}
         m["transport"] = {
