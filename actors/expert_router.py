@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
 from actors.compiled_graph import ActorGraph
+from actors.expert_calls import Attempt, Call, CallRecord, NullTelemetry
 from actors.expert_pool import ExpertPool, Replica
 from actors.hedging import HedgePolicy, Losers
 from actors.replica_choice import choose, is_avoided, probe_due, split_counts
@@ -48,83 +48,6 @@ RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 class ExpertCallFailed(RuntimeError):
     """Every attempt for an expert group failed."""
-
-
-@dataclass
-class CallRecord:
-    """One expert-group call of a layer dispatch (times: ``time.time()`` seconds)."""
-
-    layer: int
-    group: int
-    expert_ids: list[int]
-    counts: list[int]
-    rows: int
-    replica: str = ""
-    transport: str = ""
-    sent_s: float = 0.0
-    done_s: float = 0.0
-    attempts: int = 0
-    hedges: int = 0  # extra replicas this call was sent to after its hedge deadline
-    hedge_won: bool = False  # the answer came from a hedge, not the first send
-    timing: dict = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    span: Any = None
-
-    @property
-    def latency_ms(self) -> float:
-        return (self.done_s - self.sent_s) * 1e3
-
-
-class NullTelemetry:
-    """Router hooks that do nothing (``actors.telemetry.RouterTelemetry`` plugs in here)."""
-
-    def current_carrier(self) -> dict | None:
-        return None
-
-    def begin_dispatch(self, layer: int, num_tokens: int, records: list[CallRecord], parent: dict | None) -> Any:
-        return None
-
-    def call_carrier(self, dispatch_ctx: Any, record: CallRecord) -> dict | None:
-        return None
-
-    def abandon_call(self, record: CallRecord, reason: str) -> None:
-        return None
-
-    def hedge_call(self, record: CallRecord, from_replica: str, to_replica: str, waited_ms: float) -> None:
-        return None
-
-    def end_dispatch(self, dispatch_ctx: Any, layer: int, expert_counts: list[int], records: list[CallRecord],
-                     error: str | None = None) -> None:
-        return None
-
-
-@dataclass
-class _Call:
-    """One contiguous part of a group's rows in a layer: its record and rows (encoded per
-    transport when sent), the layer rows ``[start, end)`` it fills, the replica planned for it."""
-
-    record: CallRecord
-    hidden: torch.Tensor  # (rows, hidden_size)
-    weights: torch.Tensor  # (rows,) float32, on the host
-    start: int = 0
-    end: int = 0
-    replica: Replica | None = None
-    wire: Any = None  # ``hidden`` in the actor-call wire format, made once for every attempt
-    carrier: dict | None = None  # trace context of the call span, shared by its attempts
-
-
-@dataclass
-class _Attempt:
-    """One ``forward`` call in flight: the first send of a call or a hedge of it."""
-
-    ref: Any
-    call: _Call
-    replica: Replica
-    sent_s: float  # time.time()
-    sent_mono_s: float  # time.monotonic()
-    hedge_at: float | None = None  # monotonic time to hedge at (first sends only)
-    hedge: bool = False
-    waited_ms: float = 0.0  # how long it had run when its hedge was sent (observed as its latency)
 
 
 class ExpertRouter:
@@ -232,7 +155,7 @@ class ExpertRouter:
         return self.graph.members
 
     def _plan(self, layer: int, rows: torch.Tensor, w: torch.Tensor, expert_counts: list[int],
-              members: list[Replica] | None) -> list[_Call] | None:
+              members: list[Replica] | None) -> list[Call] | None:
         """The layer's calls: each group's rows over its chosen replicas (members of the live graph
         when ``members`` is given; None when a group with rows has none usable there)."""
         calls, planned, start = [], {}, 0
@@ -249,12 +172,12 @@ class ExpertRouter:
             chosen = choose(usable, n, self.pool.config, planned) if usable else [None]
             for replica, (part, a, b) in zip(chosen, split_counts(counts, len(chosen))):
                 rec = CallRecord(layer, g, experts, part, b - a)
-                calls.append(_Call(rec, rows[start + a:start + b], w[start + a:start + b], start + a, start + b,
+                calls.append(Call(rec, rows[start + a:start + b], w[start + a:start + b], start + a, start + b,
                                    replica))
             start += n
         return calls
 
-    def _record_balance(self, calls: list[_Call], expert_counts: list[int]) -> None:
+    def _record_balance(self, calls: list[Call], expert_counts: list[int]) -> None:
         """max/mean planned rows per expert actor of this dispatch; the rebalancer's routed rows."""
         per_actor = {id(r.stats): 0 for r in self.pool.actors() if r.alive}
         for c in calls:
@@ -266,13 +189,13 @@ class ExpertRouter:
         if self.rebalancer is not None:
             self.rebalancer.observe([sum(expert_counts[e] for e in experts) for experts in self.pool.groups])
 
-    def _probe(self, layer: int, calls: list[_Call], members: list[Replica] | None) -> None:
+    def _probe(self, layer: int, calls: list[Call], members: list[Replica] | None) -> None:
         """Send a copy of one call of each group to every usable replica due a probe (its result
         is never waited for; it ends as a probe in :class:`Losers`). A group whose graph member
         straggled this layer (the straggler rule against the layer's median) has its replicas
         outside the graph probed at once, so the next layer can rebuild the graph without it."""
         now, cfg = time.monotonic(), self.pool.config
-        first: dict[int, _Call] = {}
+        first: dict[int, Call] = {}
         chosen: dict[int, list[Replica]] = {}
         for c in calls:
             first.setdefault(c.record.group, c)
@@ -289,7 +212,7 @@ class ExpertRouter:
                     self.losers.add_probe(probe.ref, r, c.record.rows, probe.sent_s, probe.sent_mono_s)
                     self.num_probes += 1
 
-    def _via_graph(self, layer: int, calls: list[_Call], ctx: Any, members: list[Replica]) -> list | None:
+    def _via_graph(self, layer: int, calls: list[Call], ctx: Any, members: list[Replica]) -> list | None:
         """One compiled-graph execution, or None (the graph failed: use actor calls)."""
         if not calls:
             return []
@@ -315,13 +238,13 @@ class ExpertRouter:
             out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
 
-    def _via_actor_calls(self, layer: int, calls: list[_Call], ctx: Any) -> list:
+    def _via_actor_calls(self, layer: int, calls: list[Call], ctx: Any) -> list:
         """Every group's call in flight at once; hedged past its deadline; retried on another
         replica until ``max_attempts``."""
         results: dict[int, Any] = {}  # id(call) -> its output rows
         todo = list(calls)
         while todo:
-            inflight: dict[Any, _Attempt] = {}
+            inflight: dict[Any, Attempt] = {}
             for c in todo:
                 rec = c.record
                 if rec.attempts >= self.max_attempts:
@@ -340,7 +263,7 @@ class ExpertRouter:
             todo = self._collect(layer, inflight, results)
         return [results[id(c)] for c in calls]
 
-    def _send(self, layer: int, c: _Call, replica: Replica) -> _Attempt:
+    def _send(self, layer: int, c: Call, replica: Replica) -> Attempt:
         """One ``forward`` call of ``c``'s rows to ``replica`` (its rows count as outstanding there)."""
         if c.wire is None:
             c.wire = to_wire(c.hidden)
@@ -349,12 +272,12 @@ class ExpertRouter:
         args = (layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier)
         if replica.host is not None:  # a guest: its host also holds its own group's experts
             args = (*args, c.record.expert_ids)
-        return _Attempt(replica.handle.forward.remote(*args), c, replica, sent_s, sent_mono_s)
+        return Attempt(replica.handle.forward.remote(*args), c, replica, sent_s, sent_mono_s)
 
-    def _collect(self, layer: int, inflight: dict, results: dict) -> list[_Call]:
+    def _collect(self, layer: int, inflight: dict, results: dict) -> list[Call]:
         """Wait for each call as it arrives (so each gets its own latency), hedging the ones past
         their deadline; return the calls to retry (every attempt failed or timed out)."""
-        retry: list[_Call] = []
+        retry: list[Call] = []
         deadline = time.monotonic() + self.timeout_s
         pending = list(inflight)
         while pending:
@@ -389,7 +312,7 @@ class ExpertRouter:
                 pending.remove(ref)
                 loser = inflight.pop(ref)
                 self.losers.add(ref, loser.replica, c.record.rows, loser.sent_mono_s, loser.waited_ms)
-        timed_out: dict[int, _Call] = {}
+        timed_out: dict[int, Call] = {}
         for ref in pending:
             a = inflight[ref]
             a.replica.end(a.call.record.rows)
@@ -422,13 +345,13 @@ class ExpertRouter:
             self.num_hedges += 1
             self.telemetry.hedge_call(a.call.record, a.replica.name, other.name, waited_ms)
 
-    def _lost_attempt(self, c: _Call, replica: Replica, reason: str) -> None:
+    def _lost_attempt(self, c: Call, replica: Replica, reason: str) -> None:
         """One attempt of a hedged call failed while its twin is still in flight."""
         c.record.errors.append(f"{replica.name}: {reason}")
         self.losers.forget(replica)
         self.pool.recreate(replica)
 
-    def _failed(self, c: _Call, replica: Replica, reason: str, dead: bool) -> None:
+    def _failed(self, c: Call, replica: Replica, reason: str, dead: bool) -> None:
         c.record.errors.append(f"{replica.name}: {reason}")
         self.telemetry.abandon_call(c.record, reason)
         self.num_retries += 1

@@ -100,9 +100,11 @@ def main() -> None:
         warm, start, stable_since, last = [], time.monotonic(), time.monotonic(), None
         while time.monotonic() - start < args.warmup_timeout_s:  # until the replicas stop changing
             r = run_batch(llm, on, prompts, args.max_tokens)
-            first = on.actor_imbalance[0] if not warm else first
+            if not warm:
+                first = on.actor_imbalance[0]  # the first dispatch, before any replica was added
             warm.append({"t_s": round(time.monotonic() - start, 1), "replicas": replicas(on),
                          "imbalance_mean": r["imbalance_mean"], "graph_share": r["graph_share"]})
+            print("warm-up", warm[-1], flush=True)
             if replicas(on) != last:
                 last, stable_since = replicas(on), time.monotonic()
             elif time.monotonic() - stable_since > 2.5 * on.pool.config.replication.min_interval_s:
