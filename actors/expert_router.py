@@ -26,6 +26,7 @@ Experts are deterministic, so a retried or re-routed layer gives the same output
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Any
@@ -42,6 +43,8 @@ from actors.replication import Rebalancer
 from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
+
+log = logging.getLogger(__name__)
 
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
@@ -135,7 +138,10 @@ class ExpertRouter:
         """Reap ended losers and probes, let the rebalancer act, rebuild a stale graph."""
         self.losers.reap()
         if self.rebalancer is not None:
-            self.rebalancer.step()
+            try:
+                self.rebalancer.step()
+            except Exception:  # replication is an optimisation: never a request's failure
+                log.warning("expert rebalancing failed", exc_info=True)
         if self.graph is None or not self.graph.live:
             return
         members = self.graph.members
@@ -208,7 +214,11 @@ class ExpertRouter:
                 outside = members is not None and not any(r is m for m in members)
                 interval_s = 0.0 if straggled and outside else cfg.probe_interval_s
                 if probe_due(r, chosen[g], interval_s, outside, now):
-                    probe = self._send(layer, c, r)
+                    try:
+                        probe = self._send(layer, c, r)
+                    except Exception:  # a probe is optional; the next real call finds a dead replica
+                        log.debug("probing %s failed", r.name, exc_info=True)
+                        continue
                     self.losers.add_probe(probe.ref, r, c.record.rows, probe.sent_s, probe.sent_mono_s)
                     self.num_probes += 1
 
@@ -268,11 +278,12 @@ class ExpertRouter:
         if c.wire is None:
             c.wire = to_wire(c.hidden)
         sent_s, sent_mono_s = time.time(), time.monotonic()
-        replica.begin(c.record.rows, sent_mono_s)
         args = (layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier)
         if replica.host is not None:  # a guest: its host also holds its own group's experts
             args = (*args, c.record.expert_ids)
-        return Attempt(replica.handle.forward.remote(*args), c, replica, sent_s, sent_mono_s)
+        ref = replica.handle.forward.remote(*args)
+        replica.begin(c.record.rows, sent_mono_s)
+        return Attempt(ref, c, replica, sent_s, sent_mono_s)
 
     def _collect(self, layer: int, inflight: dict, results: dict) -> list[Call]:
         """Wait for each call as it arrives (so each gets its own latency), hedging the ones past

@@ -126,17 +126,18 @@ def main() -> None:
                    "on_imbalance_mean": rows[1]["imbalance_mean"], "goal_imbalance": 1.5,
                    "warmup_s": warm[-1]["t_s"], "on_over_off_tok_s": rows[1]["tok_s"] / rows[0]["tok_s"],
                    "guests_added": on.rebalancer.num_added, "guests_removed": on.rebalancer.num_removed}
+        # Reported before Ray shuts down: a graph teardown thread still running then ends the process.
+        print_table(warm, list(warm[0]))
+        print_table(rows, list(rows[0]))
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+        save_json(args.save_result, {"machine": machine(), "load_avg": os.getloadavg(), "args": vars(args),
+                                     "warmup": warm, "rows": rows, "summary": summary})
     finally:
         for router in routers.values():
             router.close()
             router.pool.shutdown()
         ray.shutdown()
         tmp.cleanup()
-    print_table(warm, list(warm[0]))
-    print_table(rows, list(rows[0]))
-    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-    save_json(args.save_result, {"machine": machine(), "load_avg": os.getloadavg(), "args": vars(args),
-                                 "warmup": warm, "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

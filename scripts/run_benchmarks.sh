@@ -11,6 +11,8 @@ $PY benchmarks/serve_vs_engine.py --num-prompts 16 --max-tokens 48 --save-result
 $PY benchmarks/speculation.py --batches 1,4,8,16 --num-prompts 16 --max-tokens 64 --repeats 3 --save-result $OUT/speculation.json 2>&1 | tee $OUT/speculation.log
 $PY benchmarks/interference.py --duration-s 12 --budgets 64,128,256 --tpot-ms 20,30 --save-result $OUT/interference.json 2>&1 | tee $OUT/interference.log
 $PY benchmarks/hedging.py --repeats 3 --save-result $OUT/hedging.json 2>&1 | tee $OUT/hedging.log
+$PY benchmarks/hedging.py --repeats 3 --transport actor_calls --save-result $OUT/hedging_calls.json 2>&1 | tee $OUT/hedging_calls.log
+$PY benchmarks/replication.py --repeats 3 --save-result $OUT/replication.json 2>&1 | tee $OUT/replication.log
 $PY benchmarks/hedging.py --repeats 3 --flip-s 0.5 --save-result $OUT/hedging_flip.json 2>&1 | tee $OUT/hedging_flip.log
 $PY benchmarks/tracing_overhead.py --num-requests 32 --concurrency 4 --max-tokens 48 --save-result $OUT/tracing.json 2>&1 | tee $OUT/tracing.log
 $PY benchmarks/serve.py --sweep --config-file configs/sweep.yaml \
