@@ -205,6 +205,8 @@ class ActorGraph:
             dag, self._dag, self._actors = self._dag, None, []
         if dag is not None:
             _teardown(dag)
+        for t in self._teardowns:  # a rebuild's teardown still running would outlive Ray's shutdown
+            t.join(timeout=max(10.0, self.timeout_s))
 
 
 def _teardown(dag) -> None:

@@ -32,14 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import TARGET, load_prompts, machine, print_table, save_json  # noqa: E402
 
 
-def make_router(checkpoint: str, replication: bool, tag: str):
+def make_router(checkpoint: str, replication: bool, tag: str, straggler_floor_ms: float):
     import torch
 
     from actors.config import ExpertPoolConfig, ReplicationConfig
     from actors.expert_pool import ExpertPool
     from actors.expert_router import ExpertRouter
 
-    config = ExpertPoolConfig(experts_per_actor=2, replication=ReplicationConfig(enabled=replication))
+    config = ExpertPoolConfig(experts_per_actor=2, straggler_floor_ms=straggler_floor_ms,
+                              replication=ReplicationConfig(enabled=replication))
     pool = ExpertPool(checkpoint, 8, config, prefix=f"bench-repl-{tag}-{os.getpid()}", detached=False)
     pool.start()
     import ray
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-timeout-s", type=float, default=240.0)
+    parser.add_argument("--straggler-floor-ms", type=float, default=5.0,
+                        help="experts.straggler_floor_ms: latencies below it never count as a straggler's")
     parser.add_argument("--save-result")
     args = parser.parse_args()
 
@@ -95,7 +98,8 @@ def main() -> None:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     routers = {}
     try:
-        routers = {"replication_off": make_router(skewed, False, "off"), "replication_on": make_router(skewed, True, "on")}
+        routers = {name: make_router(skewed, on, name, args.straggler_floor_ms)
+                   for name, on in (("replication_off", False), ("replication_on", True))}
         on = routers["replication_on"]
         warm, start, stable_since, last = [], time.monotonic(), time.monotonic(), None
         while time.monotonic() - start < args.warmup_timeout_s:  # until the replicas stop changing
