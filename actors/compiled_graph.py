@@ -127,14 +127,15 @@ class ActorGraph:
             return results
 
     def rebuild(self) -> None:
-        """Drop the live graph (torn down in the background): the members changed, so the next
-        request builds one over the current ``members()``. Until then requests get None."""
+        """Drop the live graph (torn down in the background) and build one over the current
+        ``members()`` at once (they changed). Until it is live, requests get None."""
         with self._lock:
             if self._dag is None:
                 return
             dag, self._dag, self._actors = self._dag, None, []
             self.stats.rebuilds += 1
             self._teardowns.append(_teardown_in_background(dag, self.name))
+            self._start_build()  # traffic is steady (the graph was in use): no build_after_s wait
 
     def request_build(self) -> None:
         """Say the graph is wanted now: builds in the background once it has been wanted for

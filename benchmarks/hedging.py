@@ -86,7 +86,8 @@ def server_config(args: argparse.Namespace):
 
     raw = msgspec.to_builtins(load_yaml(str(ROOT / "configs/embedded.yaml"), ServeConfig))
     raw["experts"].update(transport=args.transport, replicas=2, experts_per_actor=args.experts_per_actor,
-                          hedge=True, hedge_factor=args.hedge_factor, hedge_floor_ms=args.hedge_floor_ms)
+                          hedge=True, hedge_factor=args.hedge_factor, hedge_floor_ms=args.hedge_floor_ms,
+                          straggler_floor_ms=args.straggler_floor_ms)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         raw["http"]["port"] = s.getsockname()[1]
@@ -146,6 +147,8 @@ def main() -> None:
     parser.add_argument("--flip-s", type=float, default=0.0, help="move the delay to the other replica this often")
     parser.add_argument("--hedge-factor", type=float, default=2.0)
     parser.add_argument("--hedge-floor-ms", type=float, default=10.0)
+    parser.add_argument("--straggler-floor-ms", type=float, default=5.0,
+                        help="experts.straggler_floor_ms: the straggler rule ignores latencies below it")
     parser.add_argument("--save-result")
     args = parser.parse_args()
 
