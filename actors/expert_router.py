@@ -146,9 +146,14 @@ class ExpertRouter:
             return
         members = self.graph.members
         stale = self._graph_version != self.pool.version
-        slow = any(m.host is None and is_avoided(m, [r for r in self.pool.alive(m.group)
-                                                     if r.host is None and r not in members], self.pool.config)
-                   for m in members)
+        own = [m for m in members if m.host is None]
+        # A member is replaced only if it straggles both against its group's replica outside the
+        # graph (measured by probes, on an idle actor) and against the other members (measured
+        # under the same load): machine-wide slowness alone must not make the graph thrash.
+        slow = any(is_avoided(m, [r for r in self.pool.alive(m.group) if r.host is None and r not in members],
+                              self.pool.config)
+                   and is_avoided(m, [x for x in own if x is not m], self.pool.config, against="median")
+                   for m in own)
         if stale or slow:
             self.graph.rebuild()  # this and the next layers go by actor calls until it is live again
 

@@ -39,14 +39,14 @@ def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, in
     return fast[:k]
 
 
-def is_avoided(replica: Replica, others: Sequence[Replica], config) -> bool:
-    """Whether the straggler rule avoids ``replica`` against the best of ``others`` that have a
-    latency view (a replica never measured is no evidence)."""
-    others = [r for r in others if r.stats.ewma_latency_ms]
-    if not others:
+def is_avoided(replica: Replica, others: Sequence[Replica], config, against: str = "best") -> bool:
+    """Whether the straggler rule avoids ``replica`` against the best (or the median) of ``others``
+    that have a latency view (a replica never measured is no evidence)."""
+    expected = sorted(r.stats.expected_ms() for r in others if r.stats.ewma_latency_ms)
+    if not expected:
         return False
-    best = min(r.stats.expected_ms() for r in others)
-    return replica.stats.expected_ms() > max(config.straggler_floor_ms, config.straggler_multiple * best)
+    ref = expected[0] if against == "best" else expected[len(expected) // 2]
+    return replica.stats.expected_ms() > max(config.straggler_floor_ms, config.straggler_multiple * ref)
 
 
 def split_counts(counts: Sequence[int], parts: int) -> list[tuple[list[int], int, int]]:
