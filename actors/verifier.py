@@ -168,6 +168,7 @@ class VerifierServer:
             "graph_layers": self.router.num_graph_layers if self.router else 0,
             "call_layers": self.router.num_call_layers if self.router else 0,
             "graph_live": bool(self.router and self.router.graph and self.router.graph.live),
+            "graph_members": [r.name for r in self.router.graph.members] if self.router and self.router.graph else [],
             **(self.router.graph.stats.as_dict() if self.router and self.router.graph else {}),
         }
         m["straggler_counts"] = {f"{layer}/{call}": n for (layer, call), n in self.stragglers.counts().items()}

@@ -102,6 +102,18 @@ def load_every_expert_actor(handle, namespace: str) -> None:
     ray.get([ray.get_actor(n, namespace=namespace).load.remote() for n in names], timeout=120)
 
 
+def slow_replica(handle, args: argparse.Namespace) -> int:
+    """``--slow-replica``, or with -1 the replica of ``--slow-group`` inside the live compiled graph
+    (replica 0 when no graph is live)."""
+    if args.slow_replica >= 0:
+        return args.slow_replica
+    tag = f"-g{args.slow_group}-r"
+    for name in handle.stats.remote().result()["transport"].get("graph_members", []):
+        if tag in name and "+" not in name:  # "+": a guest replica on another group's actor
+            return int(name.split(tag)[1].split("-")[0])
+    return 0
+
+
 class Straggler:
     """The slowed replica of one group: fixed, or moving to the other replica every ``flip_s``."""
 
@@ -142,7 +154,9 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=100.0)
     parser.add_argument("--experts-per-actor", type=int, default=4)
     parser.add_argument("--slow-group", type=int, default=0)
-    parser.add_argument("--slow-replica", type=int, default=0, help="0: the replica the router prefers on a tie")
+    parser.add_argument("--slow-replica", type=int, default=0,
+                        help="0: the replica the router prefers on a tie; -1: the group's member of the live "
+                             "compiled graph at each straggler phase's start (compiled_graph only)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is reported")
     parser.add_argument("--flip-s", type=float, default=0.0, help="move the delay to the other replica this often")
     parser.add_argument("--hedge-factor", type=float, default=2.0)
@@ -168,7 +182,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in PHASES}
         for _ in range(args.repeats):  # interleaved: every phase once per repeat
             for name, slowed, hedge in PHASES:
-                straggler = Straggler(handle, args.slow_group, args.slow_replica, args.delay_ms, args.flip_s)
+                straggler = Straggler(handle, args.slow_group, slow_replica(handle, args), args.delay_ms, args.flip_s)
                 handle.set_expert_hedging.remote(hedge).result()
                 if slowed:
                     straggler.start()
