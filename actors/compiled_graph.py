@@ -45,7 +45,7 @@ class GraphStats:
     failures: int = 0
     idle_teardowns: int = 0
     oversize: int = 0  # messages too large for the channels, sent another way
-
+    rebuilds: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -144,6 +144,17 @@ class ActorGraph:
             self.stats.executions += 1
             return results
 
+    def rebuild(self) -> None:
+        """Drop the live graph (torn down in the background) and build one over the current
+        ``members()`` at once (they changed). Until it is live, requests get None."""
+        with self._lock:
+            if self._dag is None:
+                return
+            dag, self._dag, self._actors = self._dag, None, []
+            self.stats.rebuilds += 1
+            self._teardowns.append(_teardown_in_background(dag, self.name))
+            self._start_build()  # traffic is steady (the graph was in use): no build_after_s wait
+
     def request_build(self) -> None:
         """Say the graph is wanted now: builds in the background once it has been wanted for
         ``build_after_s`` (unless a graph is live or being built)."""
@@ -213,6 +224,8 @@ class ActorGraph:
             dag, self._dag, self._actors = self._dag, None, []
         if dag is not None:
             _teardown(dag)
+        for t in self._teardowns:  # a rebuild's teardown still running would outlive Ray's shutdown
+            t.join(timeout=max(10.0, self.timeout_s))
 
 
 def _teardown(dag) -> None:

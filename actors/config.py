@@ -10,6 +10,53 @@ from engine.args import EngineArgs
 from observability.tracing import TracingConfig
 
 
+class ReplicationConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Online replication of hot expert groups (``experts.replication``; EPLB-like, DeepSeek-V3's
+    redundant experts): a replica of a hot group is hosted by another expert actor with a free
+    slot, so the group's rows are split over more actors. See docs/TRANSPORT.md.
+
+    Every ``check_every_dispatches`` MoE dispatches the routed rows per group (summed over the
+    window, smoothed by an EWMA of weight ``load_alpha``) are spread evenly over each group's
+    replicas; an actor's load is the sum over the replicas it serves. When the most loaded actor
+    stays above ``hot_factor`` x the mean actor load for ``patience_checks`` checks in a row, its
+    heaviest group gets one more replica on the least loaded actor with a free guest slot (if that
+    lowers the maximum). A guest replica whose group would stay below ``cold_factor`` x the mean
+    without it for ``patience_checks`` checks is drained and removed. At most one change per
+    ``min_interval_s`` (each change rebuilds the compiled graph). Static replicas
+    (``experts.replicas``, ``experts.hot_expert_replicas``) are never removed.
+
+    Attributes:
+        enabled: replicate online at all.
+        guest_slots_per_actor: replicas of other groups one actor may host (its spare capacity).
+        max_replicas_per_group: most replicas of one group, static ones included (0: one per actor).
+    """
+
+    enabled: bool = False
+    hot_factor: float = 1.25
+    cold_factor: float = 1.1
+    patience_checks: int = 3
+    check_every_dispatches: int = 16
+    load_alpha: float = 0.5
+    min_interval_s: float = 5.0
+    guest_slots_per_actor: int = 1
+    max_replicas_per_group: int = 0
+
+    def __post_init__(self) -> None:
+        p = "experts.replication."
+        if not self.hot_factor > 1:
+            raise ValueError(f"{p}hot_factor must be > 1, got {self.hot_factor}")
+        if not 0 <= self.cold_factor < self.hot_factor:
+            raise ValueError(f"{p}cold_factor must be >= 0 and < {p}hot_factor, got {self.cold_factor}")
+        if self.patience_checks < 1 or self.check_every_dispatches < 1:
+            raise ValueError(f"{p}patience_checks and {p}check_every_dispatches must be >= 1")
+        if not 0 < self.load_alpha <= 1:
+            raise ValueError(f"{p}load_alpha must be in (0, 1], got {self.load_alpha}")
+        if not self.min_interval_s >= 0:
+            raise ValueError(f"{p}min_interval_s must be >= 0, got {self.min_interval_s}")
+        if self.guest_slots_per_actor < 0 or self.max_replicas_per_group < 0:
+            raise ValueError(f"{p}guest_slots_per_actor and {p}max_replicas_per_group must be >= 0")
+
+
 class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """How routed experts are spread over Ray actors.
 
@@ -69,6 +116,16 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         simulated_link_gbps: with offload, a labelled SIMULATION for benchmarks: every load takes at
             least one expert's checkpoint bytes at this many GB/s (a sleep after the real load), to
             model a slower link (PCIe, NVMe) than a small model on this machine has. None: real only.
+        split_min_rows: a group's rows are split over up to ``rows // split_min_rows`` of its
+            replicas (contiguous parts, even sizes); 0: one replica per call.
+        probe_interval_s: a usable replica that got no call for this long gets a copy of a call
+            of its group (result unread, nobody waits for it), so the router's latency view of an
+            avoided straggler stays fresh and it is used again once it recovers.
+        replication: online replication of hot groups (:class:`ReplicationConfig`).
+
+    Replica choice (both transports): a replica's expected completion is ``(calls in flight + 1)
+    x its latency EWMA``; replicas above ``straggler_multiple`` x the group's best and above
+    ``straggler_floor_ms`` are avoided (the straggler rule), the rest take the rows.
     """
 
     experts_per_actor: int = 4
@@ -98,6 +155,9 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     pinned_hot_experts: int = 0
     prefetch: bool = True
     simulated_link_gbps: float | None = None
+    split_min_rows: int = 4
+    probe_interval_s: float = 1.0
+    replication: ReplicationConfig = msgspec.field(default_factory=ReplicationConfig)
 
     def __post_init__(self) -> None:
         self._check_offload()
@@ -121,6 +181,9 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         if not 1 <= self.hedge_min_samples <= self.hedge_window:
             raise ValueError(f"experts.hedge_min_samples must be >= 1 and <= experts.hedge_window, got "
                              f"{self.hedge_min_samples} and {self.hedge_window}")
+        if self.split_min_rows < 0 or not self.probe_interval_s > 0:
+            raise ValueError(f"experts.split_min_rows must be >= 0 and experts.probe_interval_s > 0, got "
+                             f"{self.split_min_rows} and {self.probe_interval_s}")
 
 
     def _check_offload(self) -> None:

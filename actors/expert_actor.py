@@ -40,6 +40,8 @@ class ExpertWorker:
         self._stores: dict = {}
         self.set_offload(offload)
         self.expert_ids = self.store.expert_ids
+        # Guest replicas (actors.replication): other groups' experts, refcounted by their hosts.
+        self.guests: dict[tuple[int, ...], tuple] = {}  # key -> (ExpertStore, refcount)
         self.delay_s = 0.0
         self.num_calls = 0
         self.actor_id = _actor_id()
@@ -72,7 +74,7 @@ class ExpertWorker:
 
     def forward(self, layer: int, counts: list[int], hidden: np.ndarray, weights: np.ndarray,
                 sent_time_s: float, carrier: dict | None = None,
-                hint: tuple[int, list[int]] | None = None) -> tuple[np.ndarray, dict]:
+                hint: tuple[int, list[int]] | None = None, experts: list[int] | None = None) -> tuple[np.ndarray, dict]:
         """Run held experts on grouped rows (the ``actor_calls`` transport: one Ray call).
 
         Args:
@@ -83,6 +85,8 @@ class ExpertWorker:
             sent_time_s: caller's ``time.time()`` when sending (queue time = start - sent).
             carrier: W3C trace context of the caller's call span.
             hint: ``(layer, expert_ids)`` predicted for the next MoE layer: prefetched (offload only).
+            experts: a guest group held via :meth:`host_experts` (``counts`` in its order); None:
+                this actor's own experts.
 
         Returns:
             ``(rows, hidden_size)`` weighted expert outputs (wire format), and timings: ``queue_ms``,
@@ -95,14 +99,14 @@ class ExpertWorker:
         start = time.time()
         x = from_wire(hidden, self.dtype, self.device)
         w = torch.from_numpy(np.array(weights, copy=True)).to(self.device)
-        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, hint, to_wire)
+        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, hint, to_wire, experts)
 
     def forward_graph(self, request: tuple, index: int) -> tuple[bytes, dict] | None:
         """This actor's part of one compiled-graph execution (the ``compiled_graph`` transport).
 
         Args:
             request: ``(layer, calls, sent_time_s)`` shared by every actor of the graph; ``calls[index]``
-                is None (nothing for this actor this layer) or ``(counts, hidden, weights, carrier, hint)``
+                is None (nothing for this actor this layer) or ``(counts, hidden, weights, carrier, hint[, experts])``
                 with ``hidden`` the bytes of ``(sum(counts), hidden_size)`` rows and ``weights`` the
                 bytes of ``(sum(counts),)`` float32 (:func:`actors.wire.to_bytes`). ``layer`` None is
                 the warm-up execution after compiling.
@@ -119,21 +123,24 @@ class ExpertWorker:
         call = calls[index] if layer is not None else None
         if call is None:
             return None
-        counts, hidden, weights, carrier, hint = call
+        counts, hidden, weights, carrier, hint, *experts = call
         rows = sum(counts)
         x = from_bytes(hidden, (rows, self.store.config.hidden_size), self.dtype, self.device)
         w = from_bytes(weights, (rows,), torch.float32, self.device)
-        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, hint, to_bytes)
+        return self._compute(layer, counts, x, w, start, sent_time_s, carrier, hint, to_bytes, *experts)
 
     def _compute(self, layer: int, counts: list[int], x, w, start: float, sent_time_s: float,
-                 carrier: dict | None, hint: tuple[int, list[int]] | None, encode) -> tuple:
+                 carrier: dict | None, hint: tuple[int, list[int]] | None, encode,
+                 experts: list[int] | None = None) -> tuple:
         import torch
 
         queue_ms = max(0.0, (start - sent_time_s) * 1e3)
         if self.delay_s:  # artificial straggler, for tests and demos
             time.sleep(self.delay_s)
         expert_counts = torch.tensor(counts, dtype=torch.int64)
-        if self.offload:
+        if experts is not None:  # a guest replica of another group: always resident
+            out = self.guests[tuple(experts)][0].forward(layer, x, expert_counts, w)
+        elif self.offload:
             out = self.store.forward(layer, x, expert_counts, w, prefetch=hint, trace=carrier)
         else:
             out = self.store.forward(layer, x, expert_counts, w)
@@ -163,6 +170,26 @@ class ExpertWorker:
     def set_delay_ms(self, delay_ms: float) -> None:
         """Make every call sleep ``delay_ms`` first (a configured artificial straggler)."""
         self.delay_s = delay_ms / 1e3
+
+    def host_experts(self, expert_ids: list[int]) -> None:
+        """Also hold ``expert_ids`` (a guest replica of another group), loaded now; refcounted."""
+        from engine.model import ExpertStore
+
+        key = tuple(sorted(expert_ids))
+        if key in self.guests:
+            store, refs = self.guests[key]
+        else:
+            store, refs = ExpertStore(self._reader, self._config, key, self.dtype, self.device), 0
+            store.load_all()
+        self.guests[key] = (store, refs + 1)
+
+    def drop_experts(self, expert_ids: list[int]) -> None:
+        """Release one :meth:`host_experts` of ``expert_ids``; the weights go at the last one."""
+        key = tuple(sorted(expert_ids))
+        if key in self.guests:
+            store, refs = self.guests.pop(key)
+            if refs > 1:
+                self.guests[key] = (store, refs - 1)
 
     def load(self) -> int:
         """Load every held weight now (rather than on first call; with offload nothing loads

@@ -1,4 +1,5 @@
-"""The pool of named, shared expert actors: groups of experts, replicas per group, re-creation."""
+"""The pool of named, shared expert actors: groups of experts, replicas per group, re-creation, and
+guest replicas (a replica of a hot group hosted by another group's actor, :mod:`actors.replication`)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,71 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class ActorStats:
+    """The router's view of one actor process, shared by every replica it serves (its own group's
+    and its guests': they queue on the same process)."""
+
+    outstanding_rows: int = 0
+    outstanding_calls: int = 0
+    ewma_latency_ms: float = 0.0
+    last_call_s: float = 0.0  # time.monotonic() of the latest call or probe sent to it
+
+    def observe_latency(self, latency_ms: float, alpha: float = 0.2) -> None:
+        self.ewma_latency_ms = latency_ms if self.ewma_latency_ms == 0 else (
+            alpha * latency_ms + (1 - alpha) * self.ewma_latency_ms)
+
+    def expected_ms(self, extra_calls: int = 0) -> float:
+        """Expected completion of one more call: ``(calls in flight + 1) x latency EWMA``."""
+        return (self.outstanding_calls + extra_calls + 1) * self.ewma_latency_ms
+
+
+@dataclass(eq=False)  # identity: a replica is one actor slot, whatever its state
 class Replica:
-    """One actor serving an expert group, with the router's view of its load and speed."""
+    """One replica of an expert group: its own actor, or a guest on ``host`` (another group's
+    replica whose actor also holds this group's experts).
+
+    ``ready``: a guest takes rows only once its host has loaded the experts; ``inflight``: calls of
+    this replica not yet answered or reaped (a draining guest is dropped from its host at zero).
+    """
 
     group: int
     index: int
     generation: int
     name: str
     handle: ray.actor.ActorHandle
-    outstanding_rows: int = 0
-    ewma_latency_ms: float = 0.0
+    stats: ActorStats = field(default_factory=ActorStats)
     alive: bool = True
+    host: Replica | None = None
+    ready: bool = True
+    inflight: int = 0
 
-    def observe_latency(self, latency_ms: float, alpha: float = 0.2) -> None:
-        self.ewma_latency_ms = latency_ms if self.ewma_latency_ms == 0 else (
-            alpha * latency_ms + (1 - alpha) * self.ewma_latency_ms)
+    @property
+    def outstanding_rows(self) -> int:
+        return self.stats.outstanding_rows
+
+    @property
+    def ewma_latency_ms(self) -> float:
+        return self.stats.ewma_latency_ms
+
+    @ewma_latency_ms.setter
+    def ewma_latency_ms(self, value: float) -> None:
+        self.stats.ewma_latency_ms = value
+
+    def observe_latency(self, latency_ms: float) -> None:
+        self.stats.observe_latency(latency_ms)
+
+    def begin(self, rows: int, now_s: float) -> None:
+        """A call of ``rows`` rows was sent to this replica at ``now_s`` (``time.monotonic()``)."""
+        self.inflight += 1
+        self.stats.outstanding_rows += rows
+        self.stats.outstanding_calls += 1
+        self.stats.last_call_s = now_s
+
+    def end(self, rows: int) -> None:
+        """A call of ``rows`` rows ended (answered, failed, timed out or reaped)."""
+        self.inflight -= 1
+        self.stats.outstanding_rows -= rows
+        self.stats.outstanding_calls -= 1
 
 
 @dataclass
@@ -55,6 +106,7 @@ class ExpertPool:
     detached: bool = True
     groups: list[list[int]] = field(default_factory=list)
     replicas: dict[int, list[Replica]] = field(default_factory=dict)
+    version: int = 0  # bumped whenever the usable replicas change (the compiled graph is rebuilt)
 
     def start(self) -> None:
         """Create or look up every actor (non-blocking: actors load their weights lazily)."""
@@ -91,23 +143,67 @@ class ExpertPool:
         return expert // self.config.experts_per_actor
 
     def alive(self, group: int) -> list[Replica]:
-        return [r for r in self.replicas[group] if r.alive]
+        """The replicas of ``group`` that may take rows (alive; guests: loaded, not draining)."""
+        return [r for r in self.replicas[group] if r.alive and r.ready]
 
     def recreate(self, dead: Replica) -> Replica:
-        """Replace a dead replica with the next generation (shared by name across verifiers)."""
+        """Replace a dead replica with the next generation (shared by name across verifiers).
+
+        A guest dies with its host: the host is re-created and every guest it held is removed (the
+        fresh actor holds only its own group; the rebalancer may place them again)."""
+        if dead.host is not None:
+            return self.recreate(dead.host)
         dead.alive = False
         current = self.replicas[dead.group][dead.index]
         if current is not dead and current.alive:
             return current  # another coroutine already replaced it
         log.warning("expert actor %s is gone or hung; re-creating it", dead.name)
         kill_actor(dead.handle)  # a hung actor would otherwise keep its weights (and GPU share) forever
+        for guest in [r for r in self.all_replicas() if r.host is dead]:
+            guest.alive = False
+            self.replicas[guest.group].remove(guest)
         fresh = self._make(dead.group, dead.index, dead.generation + 1)
         self.replicas[dead.group][dead.index] = fresh
+        self.version += 1
         return fresh
+
+    def actors(self) -> list[Replica]:
+        """Every replica with its own actor (no guests), in group then replica order."""
+        return [r for r in self.all_replicas() if r.host is None]
+
+    def add_guest(self, group: int, host: Replica) -> tuple[Replica, ray.ObjectRef]:
+        """A replica of ``group`` on ``host``'s actor, not ready until the returned ref (the host
+        loading the group's experts) is done: then call :meth:`mark_ready`."""
+        guest = Replica(group, len(self.replicas[group]), host.generation, f"{host.name}+g{group}", host.handle,
+                        stats=host.stats, host=host, ready=False)
+        self.replicas[group].append(guest)
+        return guest, host.handle.host_experts.remote(self.groups[group])
+
+    def mark_ready(self, guest: Replica) -> None:
+        if guest.alive and not guest.ready:
+            guest.ready = True
+            self.version += 1
+
+    def drain_guest(self, guest: Replica) -> None:
+        """Stop sending rows to ``guest``; :meth:`remove_guest` once nothing of it is in flight."""
+        if guest.ready:
+            guest.ready = False
+            self.version += 1
+
+    def remove_guest(self, guest: Replica) -> None:
+        """Forget a drained guest and let its host drop the experts (refcounted on the actor:
+        another verifier sharing the actor may still use them)."""
+        guest.alive = False
+        if guest in self.replicas[guest.group]:
+            self.replicas[guest.group].remove(guest)
+        try:
+            guest.handle.drop_experts.remote(self.groups[guest.group])
+        except Exception:  # the host is gone: so are its experts
+            log.debug("dropping guest experts of %s failed", guest.name, exc_info=True)
 
     def all_replicas(self) -> list[Replica]:
         return [r for reps in self.replicas.values() for r in reps]
 
     def shutdown(self) -> None:
-        for r in self.all_replicas():
+        for r in self.actors():
             kill_actor(r.handle)

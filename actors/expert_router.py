@@ -5,11 +5,17 @@ The model's forward runs in the verifier's engine thread; for each MoE layer it 
 same thread (no event-loop hop: the loop that streams outputs never carries a dispatch). Two
 transports (``experts.transport``):
 
-* ``compiled_graph``: one execution of the replica's expert :class:`ActorGraph` per layer; while the graph
-  builds, after it failed, or for a retry, the layer goes by actor calls.
-* ``actor_calls``: one ``.remote()`` per group, then ``ray.wait`` per arrival. The replica with the
-  least outstanding rows wins (tie: lowest recent latency). A call that fails (dead actor) or times
-  out is retried on another replica of the group, re-creating the actor when none is left.
+* ``compiled_graph``: one execution of the replica's expert :class:`ActorGraph` per layer, over the
+  fastest replica of every group plus the guest replicas; while the graph builds, after it failed,
+  or for a retry, the layer goes by actor calls. The graph is rebuilt when the replicas change
+  (:mod:`actors.replication`) or when a member turns into a straggler next to a replica outside it.
+* ``actor_calls``: one ``.remote()`` per call, then ``ray.wait`` per arrival. A call that fails
+  (dead actor) or times out is retried on another replica of the group, re-creating the actor when
+  none is left.
+
+Either way a group's rows go to its replicas with the least expected completion, split in even
+contiguous parts over several of them when there are enough rows, stragglers avoided and probed
+(:mod:`actors.replica_choice`); each answered call feeds its actor's latency EWMA.
   With >= 2 live replicas, a call not back by its group's hedge deadline (``experts.hedge_*``:
   a factor times a recent-latency quantile, at least a floor) is also sent to another replica;
   the first answer wins, the other is cancelled and its late result never read
@@ -20,99 +26,31 @@ Experts are deterministic, so a retried or re-routed layer gives the same output
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Any
 
 import ray
 import torch
 
 from actors.compiled_graph import ActorGraph
+from actors.expert_calls import Attempt, Call, CallRecord, NullTelemetry
 from actors.expert_pool import ExpertPool, Replica
 from actors.hedging import HedgePolicy, Losers
+from actors.replica_choice import choose, is_avoided, probe_due, split_counts
+from actors.replication import Rebalancer
 from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
+
+log = logging.getLogger(__name__)
 
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 class ExpertCallFailed(RuntimeError):
     """Every attempt for an expert group failed."""
-
-
-@dataclass
-class CallRecord:
-    """One expert-group call of a layer dispatch (times: ``time.time()`` seconds)."""
-
-    layer: int
-    group: int
-    expert_ids: list[int]
-    counts: list[int]
-    rows: int
-    replica: str = ""
-    transport: str = ""
-    sent_s: float = 0.0
-    done_s: float = 0.0
-    attempts: int = 0
-    hedges: int = 0  # extra replicas this call was sent to after its hedge deadline
-    hedge_won: bool = False  # the answer came from a hedge, not the first send
-    timing: dict = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    span: Any = None
-
-    @property
-    def latency_ms(self) -> float:
-        return (self.done_s - self.sent_s) * 1e3
-
-
-class NullTelemetry:
-    """Router hooks that do nothing (``actors.telemetry.RouterTelemetry`` plugs in here)."""
-
-    def current_carrier(self) -> dict | None:
-        return None
-
-    def begin_dispatch(self, layer: int, num_tokens: int, records: list[CallRecord], parent: dict | None) -> Any:
-        return None
-
-    def call_carrier(self, dispatch_ctx: Any, record: CallRecord) -> dict | None:
-        return None
-
-    def abandon_call(self, record: CallRecord, reason: str) -> None:
-        return None
-
-    def hedge_call(self, record: CallRecord, from_replica: str, to_replica: str, waited_ms: float) -> None:
-        return None
-
-    def end_dispatch(self, dispatch_ctx: Any, layer: int, expert_counts: list[int], records: list[CallRecord],
-                     error: str | None = None) -> None:
-        return None
-
-
-@dataclass
-class _Call:
-    """One group's slice of a layer: its record and rows (encoded per transport when sent)."""
-
-    record: CallRecord
-    hidden: torch.Tensor  # (rows, hidden_size)
-    weights: torch.Tensor  # (rows,) float32, on the host
-    wire: Any = None  # ``hidden`` in the actor-call wire format, made once for every attempt
-    carrier: dict | None = None  # trace context of the call span, shared by its attempts
-    hint: tuple[int, list[int]] | None = None  # offload: (next layer, predicted experts) to prefetch
-
-
-@dataclass
-class _Attempt:
-    """One ``forward`` call in flight: the first send of a call or a hedge of it."""
-
-    ref: Any
-    call: _Call
-    replica: Replica
-    sent_s: float  # time.time()
-    sent_mono_s: float  # time.monotonic()
-    hedge_at: float | None = None  # monotonic time to hedge at (first sends only)
-    hedge: bool = False
-    waited_ms: float = 0.0  # how long it had run when its hedge was sent (observed as its latency)
 
 
 class ExpertRouter:
@@ -140,6 +78,12 @@ class ExpertRouter:
         self.num_hedges = 0
         self.num_graph_layers = 0
         self.num_call_layers = 0
+        self.num_probes = 0
+        replication = pool.config.replication
+        self.rebalancer = Rebalancer(pool, replication, ray) if replication.enabled else None
+        self._graph_version = -1  # the pool version the graph being built or live was made from
+        # max/mean rows per expert actor of each recent dispatch (the balance replication aims at)
+        self.actor_imbalance: deque[float] = deque(maxlen=4096)
         self.prefetch_enabled = pool.config.offload_settings() is not None and pool.config.prefetch
         self._hint: tuple[int, list[int]] | None = None
 
@@ -159,7 +103,7 @@ class ExpertRouter:
 
     def run_layer(self, layer: int, rows: torch.Tensor, weights: torch.Tensor,
                   expert_counts: list[int]) -> torch.Tensor:
-        """Send each group's contiguous rows to its actor; gather the outputs in order.
+        """Send each group's contiguous rows to its replicas; gather the outputs in order.
 
         Args:
             rows: ``(num_rows, hidden_size)`` grouped by expert; weights: ``(num_rows,)`` float32;
@@ -169,53 +113,144 @@ class ExpertRouter:
             ``(num_rows, hidden_size)`` weighted expert outputs, in ``rows`` order.
         """
         out = torch.empty_like(rows)
-        calls, slices, start = [], [], 0
         w = weights.detach().to("cpu", torch.float32)  # explicit host copy: the wire boundary
         hint, self._hint = self._hint, None
-        for g, experts in enumerate(self.pool.groups):
-            counts = [expert_counts[e] for e in experts]
-            n = sum(counts)
-            if n:
-                calls.append(_Call(CallRecord(layer, g, experts, counts, n), rows[start:start + n], w[start:start + n],
-                                   hint=hint))
-                slices.append((start, start + n))
-            start += n
+        self._between_dispatches()
+        members = self._live_members()
+        if members is not None and not self.graph.fits(rows.nbytes + w.nbytes):
+            members = None  # a large prefill's rows: too big for the channels, so actor calls
+        calls = self._plan(layer, rows, w, expert_counts, members, hint)
+        if calls is None:  # a group has no usable member in the live graph: this layer by actor calls
+            members, calls = None, self._plan(layer, rows, w, expert_counts, None, hint)
+        self._record_balance(calls, expert_counts)
         records = [c.record for c in calls]
         ctx = self.telemetry.begin_dispatch(layer, rows.shape[0], records, self.telemetry.current_carrier())
         error = None
         try:
-            results = self._via_graph(layer, calls, ctx)
+            results = self._via_graph(layer, calls, ctx, members) if members is not None else None
             if results is None:
                 results = self._via_actor_calls(layer, calls, ctx)
                 self.num_call_layers += 1
             else:
                 self.num_graph_layers += 1
+            self._probe(layer, calls, members)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
             self.telemetry.end_dispatch(ctx, layer, expert_counts, records, error)
-        for (a, b), result in zip(slices, results):
-            out[a:b] = result
+        for c, result in zip(calls, results):
+            out[c.start:c.end] = result
         return out
 
-    def _via_graph(self, layer: int, calls: list[_Call], ctx: Any) -> list | None:
-        """One compiled-graph execution, or None (no live graph, or it failed: use actor calls)."""
-        if self.graph is None or not calls:
+    def _between_dispatches(self) -> None:
+        """Reap ended losers and probes, let the rebalancer act, rebuild a stale graph."""
+        self.losers.reap()
+        if self.rebalancer is not None:
+            try:
+                self.rebalancer.step()
+            except Exception:  # replication is an optimisation: never a request's failure
+                log.warning("expert rebalancing failed", exc_info=True)
+        if self.graph is None or not self.graph.live:
+            return
+        members = self.graph.members
+        stale = self._graph_version != self.pool.version
+        own = [m for m in members if m.host is None]
+        # A member is replaced only if it straggles both against its group's replica outside the
+        # graph (measured by probes, on an idle actor) and against the other members (measured
+        # under the same load): machine-wide slowness alone must not make the graph thrash.
+        slow = any(is_avoided(m, [r for r in self.pool.alive(m.group) if r.host is None and r not in members],
+                              self.pool.config)
+                   and is_avoided(m, [x for x in own if x is not m], self.pool.config, against="median")
+                   for m in own)
+        if stale or slow:
+            self.graph.rebuild()  # this and the next layers go by actor calls until it is live again
+
+    def _live_members(self) -> list[Replica] | None:
+        if self.graph is None:
             return None
         if not self.graph.live:
             self.graph.request_build()  # in the background; this layer goes by actor calls
             return None
-        if not self.graph.fits(sum(c.hidden.nbytes + c.weights.nbytes for c in calls)):
-            return None  # a large prefill's rows: too big for the channels, so actor calls
+        return self.graph.members
+
+    def _plan(self, layer: int, rows: torch.Tensor, w: torch.Tensor, expert_counts: list[int],
+              members: list[Replica] | None, hint: tuple[int, list[int]] | None = None) -> list[Call] | None:
+        """The layer's calls: each group's rows over its chosen replicas (members of the live graph
+        when ``members`` is given; None when a group with rows has none usable there)."""
+        calls, planned, start = [], {}, 0
+        for g, experts in enumerate(self.pool.groups):
+            counts = [expert_counts[e] for e in experts]
+            n = sum(counts)
+            if not n:
+                continue
+            usable = self.pool.alive(g)
+            if members is not None:
+                usable = [r for r in usable if any(r is m for m in members)]
+                if not usable:
+                    return None
+            chosen = choose(usable, n, self.pool.config, planned) if usable else [None]
+            for replica, (part, a, b) in zip(chosen, split_counts(counts, len(chosen))):
+                rec = CallRecord(layer, g, experts, part, b - a)
+                calls.append(Call(rec, rows[start + a:start + b], w[start + a:start + b], start + a, start + b,
+                                  replica, hint=hint))
+            start += n
+        return calls
+
+    def _record_balance(self, calls: list[Call], expert_counts: list[int]) -> None:
+        """max/mean planned rows per expert actor of this dispatch; the rebalancer's routed rows."""
+        per_actor = {id(r.stats): 0 for r in self.pool.actors() if r.alive}
+        for c in calls:
+            if c.replica is not None and id(c.replica.stats) in per_actor:
+                per_actor[id(c.replica.stats)] += c.record.rows
+        total = sum(per_actor.values())
+        if total:
+            self.actor_imbalance.append(max(per_actor.values()) / (total / len(per_actor)))
+        if self.rebalancer is not None:
+            self.rebalancer.observe([sum(expert_counts[e] for e in experts) for experts in self.pool.groups])
+
+    def _probe(self, layer: int, calls: list[Call], members: list[Replica] | None) -> None:
+        """Send a copy of one call of each group to every usable replica due a probe (its result
+        is never waited for; it ends as a probe in :class:`Losers`). A group whose graph member
+        straggled this layer (the straggler rule against the layer's median) has its replicas
+        outside the graph probed at once, so the next layer can rebuild the graph without it."""
+        now, cfg = time.monotonic(), self.pool.config
+        first: dict[int, Call] = {}
+        chosen: dict[int, list[Replica]] = {}
+        for c in calls:
+            first.setdefault(c.record.group, c)
+            chosen.setdefault(c.record.group, []).append(c.replica)
+        latencies = sorted(c.record.latency_ms for c in calls)
+        bound_ms = max(cfg.straggler_floor_ms, cfg.straggler_multiple * latencies[len(latencies) // 2]) if calls else 0
+        for g, c in first.items():
+            straggled = members is not None and any(x.record.latency_ms > bound_ms for x in calls if x.record.group == g)
+            for r in self.pool.alive(g):
+                outside = members is not None and not any(r is m for m in members)
+                interval_s = 0.0 if straggled and outside else cfg.probe_interval_s
+                if probe_due(r, chosen[g], interval_s, outside, now):
+                    try:
+                        probe = self._send(layer, c, r)
+                    except Exception:  # a probe is optional; the next real call finds a dead replica
+                        log.debug("probing %s failed", r.name, exc_info=True)
+                        continue
+                    self.losers.add_probe(probe.ref, r, c.record.rows, probe.sent_s, probe.sent_mono_s)
+                    self.num_probes += 1
+
+    def _via_graph(self, layer: int, calls: list[Call], ctx: Any, members: list[Replica]) -> list | None:
+        """One compiled-graph execution, or None (the graph failed: use actor calls)."""
+        if not calls:
+            return []
         sent_s = time.time()
-        per_group: list = [None] * len(self.pool.groups)
+        index = {id(m): i for i, m in enumerate(members)}
+        per_member: list = [None] * len(members)
         for c in calls:
             c.record.sent_s, c.record.attempts, c.record.transport = sent_s, 1, "compiled_graph"
-            per_group[c.record.group] = (c.record.counts, to_bytes(c.hidden), to_bytes(c.weights),
-                                         self.telemetry.call_carrier(ctx, c.record), c.hint)
-        replicas = self.graph.members
-        results = self.graph.execute((layer, per_group, sent_s))
+            c.record.replica = c.replica.name
+            call = (c.record.counts, to_bytes(c.hidden), to_bytes(c.weights), self.telemetry.call_carrier(ctx, c.record),
+                    c.hint)
+            per_member[index[id(c.replica)]] = call if c.replica.host is None else (*call, c.record.expert_ids)
+            c.replica.stats.last_call_s = time.monotonic()
+        results = self.graph.execute((layer, per_member, sent_s))
         if results is None:
             for c in calls:
                 self.telemetry.abandon_call(c.record, "compiled graph failed")
@@ -223,25 +258,25 @@ class ExpertRouter:
             return None
         out = []
         for c in calls:
-            result, timing = results[c.record.group]
-            self._done(c.record, replicas[c.record.group], timing)
+            result, timing = results[index[id(c.replica)]]
+            self._done(c.record, c.replica, timing)
             out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
 
-    def _via_actor_calls(self, layer: int, calls: list[_Call], ctx: Any) -> list:
+    def _via_actor_calls(self, layer: int, calls: list[Call], ctx: Any) -> list:
         """Every group's call in flight at once; hedged past its deadline; retried on another
         replica until ``max_attempts``."""
-        results: dict[int, Any] = {}
-        self.losers.reap()
+        results: dict[int, Any] = {}  # id(call) -> its output rows
         todo = list(calls)
         while todo:
-            inflight: dict[Any, _Attempt] = {}
+            inflight: dict[Any, Attempt] = {}
             for c in todo:
                 rec = c.record
                 if rec.attempts >= self.max_attempts:
                     raise ExpertCallFailed(f"layer {rec.layer} experts {rec.expert_ids}: all {self.max_attempts} "
                                            f"attempts failed ({'; '.join(rec.errors)})")
-                replica = self._pick(rec.group)
+                planned = c.replica if rec.attempts == 0 and c.replica is not None and c.replica.alive else None
+                replica = planned or self._pick(rec.group)
                 rec.attempts, rec.replica, rec.transport = rec.attempts + 1, replica.name, "actor_call"
                 rec.sent_s = time.time()
                 c.carrier = self.telemetry.call_carrier(ctx, rec)
@@ -251,22 +286,24 @@ class ExpertRouter:
                     attempt.hedge_at = attempt.sent_mono_s + deadline_ms / 1e3
                 inflight[attempt.ref] = attempt
             todo = self._collect(layer, inflight, results)
-        return [results[c.record.group] for c in calls]
+        return [results[id(c)] for c in calls]
 
-    def _send(self, layer: int, c: _Call, replica: Replica) -> _Attempt:
+    def _send(self, layer: int, c: Call, replica: Replica) -> Attempt:
         """One ``forward`` call of ``c``'s rows to ``replica`` (its rows count as outstanding there)."""
         if c.wire is None:
             c.wire = to_wire(c.hidden)
-        replica.outstanding_rows += c.record.rows
-        sent_s = time.time()
-        ref = replica.handle.forward.remote(layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier,
-                                            c.hint)
-        return _Attempt(ref, c, replica, sent_s, time.monotonic())
+        sent_s, sent_mono_s = time.time(), time.monotonic()
+        args = (layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier, c.hint)
+        if replica.host is not None:  # a guest: its host also holds its own group's experts
+            args = (*args, c.record.expert_ids)
+        ref = replica.handle.forward.remote(*args)
+        replica.begin(c.record.rows, sent_mono_s)
+        return Attempt(ref, c, replica, sent_s, sent_mono_s)
 
-    def _collect(self, layer: int, inflight: dict, results: dict) -> list[_Call]:
+    def _collect(self, layer: int, inflight: dict, results: dict) -> list[Call]:
         """Wait for each call as it arrives (so each gets its own latency), hedging the ones past
         their deadline; return the calls to retry (every attempt failed or timed out)."""
-        retry: list[_Call] = []
+        retry: list[Call] = []
         deadline = time.monotonic() + self.timeout_s
         pending = list(inflight)
         while pending:
@@ -280,7 +317,7 @@ class ExpertRouter:
                 continue  # a hedge deadline passed
             a = inflight.pop(ready[0])
             c, replica = a.call, a.replica
-            replica.outstanding_rows -= c.record.rows
+            replica.end(c.record.rows)
             twins = [ref for ref in pending if inflight[ref].call is c]
             try:
                 result, timing = ray.get(ready[0])
@@ -296,15 +333,15 @@ class ExpertRouter:
             c.record.hedge_won = a.hedge
             if a.hedge:  # a fresh head-to-head: the winner's view is its latency now (a stale EWMA
                 replica.ewma_latency_ms = own_ms  # would send the next call back to the straggler)
-            results[c.record.group] = from_wire(result, c.hidden.dtype, c.hidden.device)
+            results[id(c)] = from_wire(result, c.hidden.dtype, c.hidden.device)
             for ref in twins:  # the loser: cancelled, its late result never read
                 pending.remove(ref)
                 loser = inflight.pop(ref)
                 self.losers.add(ref, loser.replica, c.record.rows, loser.sent_mono_s, loser.waited_ms)
-        timed_out: dict[int, _Call] = {}
+        timed_out: dict[int, Call] = {}
         for ref in pending:
             a = inflight[ref]
-            a.replica.outstanding_rows -= a.call.record.rows
+            a.replica.end(a.call.record.rows)
             a.replica.observe_latency(self.timeout_s * 1e3)  # prefer other replicas next time
             if id(a.call) not in timed_out:
                 timed_out[id(a.call)] = a.call
@@ -322,7 +359,7 @@ class ExpertRouter:
             others = [r for r in self.pool.alive(a.call.record.group) if r.name not in busy]
             if not others:
                 continue
-            other = min(others, key=lambda r: (r.outstanding_rows, r.ewma_latency_ms, r.index))
+            other = min(others, key=lambda r: (r.stats.expected_ms(), r.outstanding_rows, r.index))
             waited_ms = a.waited_ms = (now - a.sent_mono_s) * 1e3
             # At least this slow now: the router prefers the other replica once the hedge wins.
             a.replica.ewma_latency_ms = max(a.replica.ewma_latency_ms, waited_ms)
@@ -334,13 +371,13 @@ class ExpertRouter:
             self.num_hedges += 1
             self.telemetry.hedge_call(a.call.record, a.replica.name, other.name, waited_ms)
 
-    def _lost_attempt(self, c: _Call, replica: Replica, reason: str) -> None:
+    def _lost_attempt(self, c: Call, replica: Replica, reason: str) -> None:
         """One attempt of a hedged call failed while its twin is still in flight."""
         c.record.errors.append(f"{replica.name}: {reason}")
         self.losers.forget(replica)
         self.pool.recreate(replica)
 
-    def _failed(self, c: _Call, replica: Replica, reason: str, dead: bool) -> None:
+    def _failed(self, c: Call, replica: Replica, reason: str, dead: bool) -> None:
         c.record.errors.append(f"{replica.name}: {reason}")
         self.telemetry.abandon_call(c.record, reason)
         self.num_retries += 1
@@ -361,17 +398,32 @@ class ExpertRouter:
         return own_ms
 
     def _graph_members(self) -> tuple[list[Replica], str]:
-        """One live replica of every group (a dead one is re-created by the next actor call first)."""
-        if not all(self.pool.alive(g) for g in range(len(self.pool.groups))):
+        """The fastest live replica of every group, then every usable guest (its host's actor is
+        bound once more: a guest call is a second task of that actor per execution)."""
+        own = [[r for r in self.pool.alive(g) if r.host is None] for g in range(len(self.pool.groups))]
+        if not all(own):
             raise RuntimeError("an expert group has no live replica yet")
-        return [self.pool.alive(g)[0] for g in range(len(self.pool.groups))], "forward_graph"
+        self._graph_version = self.pool.version
+        best = [min(rs, key=lambda r: (r.stats.expected_ms(), r.index)) for rs in own]
+        guests = [r for g in range(len(self.pool.groups)) for r in self.pool.alive(g) if r.host is not None]
+        return best + guests, "forward_graph"
+
+    def replication_stats(self) -> dict:
+        """Usable replicas per group, guests added/removed, and the mean max/mean rows per actor of
+        the latest 256 dispatches (verifier stats, benchmarks)."""
+        recent = list(self.actor_imbalance)[-256:]
+        rb = self.rebalancer
+        return {"replicas_per_group": [len(self.pool.alive(g)) for g in range(len(self.pool.groups))],
+                "guests_added": rb.num_added if rb else 0, "guests_removed": rb.num_removed if rb else 0,
+                "actor_imbalance_recent": sum(recent) / len(recent) if recent else None}
 
     def close(self) -> None:
         if self.graph is not None:
             self.graph.close()
 
     def _pick(self, group: int) -> Replica:
+        """The replica of ``group`` with the least expected completion (a retry, or no plan)."""
         alive = self.pool.alive(group)
         if not alive:
             return self.pool.recreate(self.pool.replicas[group][0])
-        return min(alive, key=lambda r: (r.outstanding_rows, r.ewma_latency_ms, r.index))
+        return choose(alive, 1, self.pool.config, {})[0]

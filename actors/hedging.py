@@ -1,4 +1,4 @@
-"""Hedged expert calls: per-group deadlines from recent latencies, and the losers still in flight.
+"""Hedged expert calls: per-group deadlines from recent latencies, and the losers (and probes) still in flight.
 
 A call on the actor-call path that has not returned ``deadline_ms(group)`` after it was sent is
 sent again to another live replica of its group; the first result is taken (experts are
@@ -77,10 +77,12 @@ class _Loser:
     sent_mono_s: float  # time.monotonic() of its send
     running_ms: float  # it was still running this long after its send (a lower bound of its latency)
     observed_ms: float  # the part of running_ms already given to the replica's latency
+    probe_sent_s: float | None = None  # a probe: time.time() of its send (its latency is read exactly)
 
 
 class Losers:
-    """Calls whose twin won: cancelled, their rows outstanding on their replica until they end.
+    """Calls whose result is not needed (a hedge's loser, cancelled; a probe): their rows stay
+    outstanding on their replica until they end.
 
     Args:
         ray_module: the ``ray`` module the router uses (``wait``, ``cancel``; a fake in tests).
@@ -106,6 +108,13 @@ class Losers:
         running_ms = (time.monotonic() - sent_mono_s) * 1e3
         self.pending.append(_Loser(ref, replica, rows, sent_mono_s, running_ms, observed_ms))
 
+    def add_probe(self, ref: Any, replica: Any, rows: int, sent_s: float, sent_mono_s: float) -> None:
+        """A probe (:mod:`actors.replica_choice`): not cancelled; when it ends, its own latency (from
+        ``sent_s``, ``time.time()``, to the actor's end of compute) becomes ``replica``'s latency view:
+        a fresh measurement of a replica that got no other call, so a recovered straggler is used
+        again at once and one still slow stays avoided."""
+        self.pending.append(_Loser(ref, replica, rows, sent_mono_s, 0.0, 0.0, probe_sent_s=sent_s))
+
     def reap(self) -> int:
         """Drop the losers that have ended (result or cancellation, never read); returns how many.
 
@@ -125,8 +134,10 @@ class Losers:
         still = []
         for x in self.pending:
             if id(x.ref) in done_ids:
-                x.replica.outstanding_rows -= x.rows
-                if x.running_ms > x.observed_ms:
+                x.replica.end(x.rows)
+                if x.probe_sent_s is not None:
+                    self._probe_latency(x)
+                elif x.running_ms > x.observed_ms:
                     x.replica.observe_latency(x.running_ms)
             else:
                 x.running_ms = (now - x.sent_mono_s) * 1e3
@@ -134,6 +145,14 @@ class Losers:
         reaped = len(self.pending) - len(still)
         self.pending = still
         return reaped
+
+    def _probe_latency(self, x: _Loser) -> None:
+        try:
+            _, timing = self.ray.get(x.ref)
+        except Exception:  # a dead replica is found by the next real call
+            log.debug("a probe failed", exc_info=True)
+            return
+        x.replica.ewma_latency_ms = max(0.0, timing["start_s"] + timing["compute_ms"] / 1e3 - x.probe_sent_s) * 1e3
 
     def forget(self, replica: Any) -> None:
         """A replica was re-created: its losers will never be waited for again."""

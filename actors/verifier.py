@@ -186,6 +186,8 @@ class VerifierServer:
         m = self.engine.get_metrics()
         m["expert_retries"] = self.router.num_retries if self.router else 0
         m["expert_hedges"] = self.router.num_hedges if self.router else 0
+        m["expert_probes"] = self.router.num_probes if self.router else 0
+        m["expert_replication"] = self.router.replication_stats() if self.router else {}
         drafter_graph = getattr(self.engine.drafter, "graph", None)
         m["draft_transport"] = {"live": drafter_graph.live, **drafter_graph.stats.as_dict()} if drafter_graph else {}
         m["transport"] = {
@@ -193,6 +195,7 @@ class VerifierServer:
             "graph_layers": self.router.num_graph_layers if self.router else 0,
             "call_layers": self.router.num_call_layers if self.router else 0,
             "graph_live": bool(self.router and self.router.graph and self.router.graph.live),
+            "graph_members": [r.name for r in self.router.graph.members] if self.router and self.router.graph else [],
             **(self.router.graph.stats.as_dict() if self.router and self.router.graph else {}),
         }
         m["straggler_counts"] = {f"{layer}/{call}": n for (layer, call), n in self.stragglers.counts().items()}

@@ -1,10 +1,11 @@
 """p99 end-to-end latency with a straggling expert replica, hedged expert calls on and off.
 
-    python benchmarks/hedging.py [--num-prompts 16] [--concurrency 4] [--max-tokens 32] [--delay-ms 100]
+    python benchmarks/hedging.py [--transport compiled_graph] [--num-prompts 16] [--concurrency 4]
+        [--max-tokens 32] [--delay-ms 100]
 
 One run of the embedded app (configs/embedded.yaml) over the HTTP path with
-``experts.transport: actor_calls``, ``experts.replicas: 2`` (two replicas of every expert group,
-``--experts-per-actor`` experts each). Four phases on the same server, each after the router's
+``experts.transport: --transport`` (``actor_calls`` or the default ``compiled_graph``),
+``experts.replicas: 2`` (two replicas of every expert group, ``--experts-per-actor`` experts each). Four phases on the same server, each after the router's
 latency views are reset (``VerifierServer.set_expert_hedging``, so every phase starts alike):
 
 * ``baseline``: no straggler, hedging off;
@@ -13,8 +14,11 @@ latency views are reset (``VerifierServer.set_expert_hedging``, so every phase s
 * ``straggler_hedge``: the same straggler, hedging on;
 * ``baseline_hedge``: no straggler, hedging on (what hedging costs when nothing is slow).
 
-A persistent straggler is avoided by the router's replica choice (lowest recent latency) after its
-first slow call, hedging or not. ``--flip-s S`` makes the straggler intermittent instead: every S
+A persistent straggler is avoided by the router's latency-aware replica choice (expected
+completion = (calls in flight + 1) x latency EWMA; the straggler rule; probes let it back once it
+recovers: actors/replica_choice.py) after its first slow call, hedging or not. On the compiled-graph
+transport a straggling graph member makes the router probe its group's other replica at once and
+rebuild the graph without it (actor calls, latency-aware and hedged, in the meantime). ``--flip-s S`` makes the straggler intermittent instead: every S
 seconds the delay moves to the group's other replica, so the replica the router prefers turns slow
 and is chosen until its latency view catches up (what hedging is for).
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import socket
 import statistics
 import sys
@@ -80,8 +85,9 @@ def server_config(args: argparse.Namespace):
     from engine.yaml_config import load_yaml
 
     raw = msgspec.to_builtins(load_yaml(str(ROOT / "configs/embedded.yaml"), ServeConfig))
-    raw["experts"].update(transport="actor_calls", replicas=2, experts_per_actor=args.experts_per_actor,
-                          hedge=True, hedge_factor=args.hedge_factor, hedge_floor_ms=args.hedge_floor_ms)
+    raw["experts"].update(transport=args.transport, replicas=2, experts_per_actor=args.experts_per_actor,
+                          hedge=True, hedge_factor=args.hedge_factor, hedge_floor_ms=args.hedge_floor_ms,
+                          straggler_floor_ms=args.straggler_floor_ms)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         raw["http"]["port"] = s.getsockname()[1]
@@ -94,6 +100,18 @@ def load_every_expert_actor(handle, namespace: str) -> None:
 
     names = handle.expert_actor_names.remote().result()
     ray.get([ray.get_actor(n, namespace=namespace).load.remote() for n in names], timeout=120)
+
+
+def slow_replica(handle, args: argparse.Namespace) -> int:
+    """``--slow-replica``, or with -1 the replica of ``--slow-group`` inside the live compiled graph
+    (replica 0 when no graph is live)."""
+    if args.slow_replica >= 0:
+        return args.slow_replica
+    tag = f"-g{args.slow_group}-r"
+    for name in handle.stats.remote().result()["transport"].get("graph_members", []):
+        if tag in name and "+" not in name:  # "+": a guest replica on another group's actor
+            return int(name.split(tag)[1].split("-")[0])
+    return 0
 
 
 class Straggler:
@@ -129,17 +147,22 @@ class Straggler:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--transport", choices=["compiled_graph", "actor_calls"], default="compiled_graph")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=100.0)
     parser.add_argument("--experts-per-actor", type=int, default=4)
     parser.add_argument("--slow-group", type=int, default=0)
-    parser.add_argument("--slow-replica", type=int, default=0, help="0: the replica the router prefers on a tie")
+    parser.add_argument("--slow-replica", type=int, default=0,
+                        help="0: the replica the router prefers on a tie; -1: the group's member of the live "
+                             "compiled graph at each straggler phase's start (compiled_graph only)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is reported")
     parser.add_argument("--flip-s", type=float, default=0.0, help="move the delay to the other replica this often")
     parser.add_argument("--hedge-factor", type=float, default=2.0)
     parser.add_argument("--hedge-floor-ms", type=float, default=10.0)
+    parser.add_argument("--straggler-floor-ms", type=float, default=5.0,
+                        help="experts.straggler_floor_ms: the straggler rule ignores latencies below it")
     parser.add_argument("--save-result")
     args = parser.parse_args()
 
@@ -159,20 +182,25 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in PHASES}
         for _ in range(args.repeats):  # interleaved: every phase once per repeat
             for name, slowed, hedge in PHASES:
-                straggler = Straggler(handle, args.slow_group, args.slow_replica, args.delay_ms, args.flip_s)
+                straggler = Straggler(handle, args.slow_group, slow_replica(handle, args), args.delay_ms, args.flip_s)
                 handle.set_expert_hedging.remote(hedge).result()
                 if slowed:
                     straggler.start()
-                hedges_before = handle.stats.remote().result()["expert_hedges"]
+                before = handle.stats.remote().result()
                 try:
                     e2e_s, texts = asyncio.run(run_requests(url, config.model_name, prompts, args.concurrency,
                                                             args.max_tokens))
                 finally:
                     straggler.stop()
-                hedges = handle.stats.remote().result()["expert_hedges"] - hedges_before
+                after = handle.stats.remote().result()
+                hedges = after["expert_hedges"] - before["expert_hedges"]
                 reference = texts if reference is None else reference
+                layers = {k: after["transport"][k] - before["transport"][k] for k in ("graph_layers", "call_layers")}
                 runs[name].append({"p50_e2e_s": statistics.median(e2e_s), "p99_e2e_s": percentile(e2e_s, 0.99),
-                                   "hedges": hedges, "same_output": texts == reference})
+                                   "hedges": hedges, "same_output": texts == reference,
+                                   "graph_rebuilds": after["transport"].get("rebuilds", 0)
+                                   - before["transport"].get("rebuilds", 0),
+                                   "graph_share": layers["graph_layers"] / max(1, sum(layers.values()))})
         for name, reps in runs.items():  # the median repeat of each phase (by p99)
             mid = sorted(reps, key=lambda r: r["p99_e2e_s"])[len(reps) // 2]
             rows.append({"phase": name, **mid, "same_output": all(r["same_output"] for r in reps),
@@ -188,7 +216,8 @@ def main() -> None:
                "goal_hedge_over_baseline_p99": 1.3}
     print_table(rows, list(rows[0]))
     print(" ".join(f"{k}={v:.3f}" for k, v in summary.items()))
-    save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows, "summary": summary})
+    save_json(args.save_result, {"machine": machine(), "load_avg": os.getloadavg(), "args": vars(args), "rows": rows,
+                                 "summary": summary})
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ $PY benchmarks/interference.py --duration-s 12 --budgets 64,128,256 --tpot-ms 20
 $PY benchmarks/goodput_mix.py --rates 0.5,1,2 --num-requests 40 --slo-file configs/slo_goodput.yaml \
     --save-result $OUT/goodput_mix.json --plot docs/img 2>&1 | tee $OUT/goodput_mix.log
 $PY benchmarks/hedging.py --repeats 3 --save-result $OUT/hedging.json 2>&1 | tee $OUT/hedging.log
+$PY benchmarks/hedging.py --repeats 3 --transport actor_calls --save-result $OUT/hedging_calls.json 2>&1 | tee $OUT/hedging_calls.log
+$PY benchmarks/replication.py --repeats 3 --save-result $OUT/replication.json 2>&1 | tee $OUT/replication.log
 $PY benchmarks/hedging.py --repeats 3 --flip-s 0.5 --save-result $OUT/hedging_flip.json 2>&1 | tee $OUT/hedging_flip.log
 $PY benchmarks/soak.py --duration-s 1200 --save-result $OUT/soak.json 2>&1 | tee $OUT/soak.log
 $PY benchmarks/tracing_overhead.py --num-requests 32 --concurrency 4 --max-tokens 48 --save-result $OUT/tracing.json 2>&1 | tee $OUT/tracing.log

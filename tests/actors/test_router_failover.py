@@ -92,15 +92,19 @@ def test_hot_expert_replicas_size_the_group_and_a_timeout_moves_to_the_other_rep
     assert first.outstanding_rows == second.outstanding_rows == 0
 
 
-def test_least_outstanding_replica_wins_over_lower_latency(fake_ray):
+def test_the_least_expected_completion_wins(fake_ray):
+    """Expected completion = (calls in flight + 1) x latency EWMA."""
     pool = _pool(hot_expert_replicas={0: 3})
     router = ExpertRouter(pool, torch.float32)
     a, b, c = pool.replicas[0]
     a.ewma_latency_ms, b.ewma_latency_ms, c.ewma_latency_ms = 1.0, 9.0, 5.0
-    a.outstanding_rows = 4  # another verifier thread's call in flight
-    assert router._pick(0) is c  # b and c have none outstanding; c is faster
+    a.begin(4, 0.0)  # another verifier thread's call in flight: 2 x 1 ms
+    assert router._pick(0) is a
+    for _ in range(4):
+        a.begin(4, 0.0)  # five in flight: 6 x 1 ms
+    assert router._pick(0) is c
     c.alive = False
-    assert router._pick(0) is b
+    assert router._pick(0) is a  # 6 ms < 9 ms
 
 
 @pytest.mark.parametrize("transport", ["actor_calls", "bytes"])

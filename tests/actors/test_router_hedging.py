@@ -30,7 +30,8 @@ from tests.helpers.fake_ray import FakePool, install_fake_ray
 TARGET = "checkpoints/stdlib-moe-target"
 CONFIG = load_model_config(TARGET)
 LAYER = CONFIG.moe.sparse_layers[-1]
-HEDGE = dict(replicas=2, hedge_floor_ms=100.0, hedge_factor=1.0, hedge_min_samples=1)
+HEDGE = dict(replicas=2, hedge_floor_ms=100.0, hedge_factor=1.0, hedge_min_samples=1,
+             probe_interval_s=60.0)  # no probe (tests/actors/test_replica_choice.py): only hedges
 
 
 @pytest.fixture

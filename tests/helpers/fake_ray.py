@@ -3,8 +3,9 @@
 ``FakeRay`` replaces the ``ray`` module inside ``actors.expert_router`` / ``actors.expert_pool`` /
 ``actors.draft_server`` (monkeypatched): ``wait`` reports every non-hung ref ready at once and times
 out immediately on hung ones, ``get`` returns a ref's (or each ref of a list's) value or raises what
-the actor "did". ``FakeActor`` wraps a plain object (e.g. an in-process ``ExpertWorker``) as an
-actor handle whose behaviour a test sets:
+the actor "did" (a call to an actor without delay is computed when sent, a delayed one when got,
+its timing moved to when its delay ended). ``FakeActor`` wraps a plain object (e.g. an in-process
+``ExpertWorker``) as an actor handle whose behaviour a test sets:
 ``"ok"`` (calls the object), ``"dead"`` or ``"killed"`` (RayActorError) or ``"hung"`` (never ready). A
 handle's ``set_delay_ms`` (the straggler knob) makes its later calls ready only that long after they
 are sent, and ``wait`` sleeps (bounded by its timeout) until the next delayed ref is ready; ``cancel``
@@ -52,7 +53,22 @@ class _Method:
             return FakeRef(died)
         if self.name == "__ray_ready__":  # Ray adds it to every actor class: True once constructed
             return FakeRef(lambda: True)
-        return FakeRef(lambda: getattr(actor.target, self.name)(*args), ready_at_s=time.monotonic() + actor.delay_s)
+        if not actor.delay_s:  # an idle actor computes at once (so its timings are its own)
+            try:
+                value = getattr(actor.target, self.name)(*args)
+            except Exception as e:  # raised where Ray raises it: at get
+                def failed(e=e):
+                    raise e
+                return FakeRef(failed)
+            return FakeRef(lambda: value)
+        ready_at_s = time.monotonic() + actor.delay_s
+
+        def late():  # computed when got, timed as if it ran when its delay ended
+            value = getattr(actor.target, self.name)(*args)
+            if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict) and "start_s" in value[1]:
+                value[1]["start_s"] -= max(0.0, time.monotonic() - ready_at_s)
+            return value
+        return FakeRef(late, ready_at_s=ready_at_s)
 
 
 class FakeActor:

@@ -53,25 +53,18 @@ def test_constructor_validates():
 
 
 def test_replica_latency_ewma_steers_the_router_to_the_faster_replica():
+    from actors.config import ExpertPoolConfig
     from actors.expert_pool import Replica
-    from actors.expert_router import ExpertRouter
+    from actors.replica_choice import choose
 
     slow, fast = Replica(0, 0, 0, "slow", None), Replica(0, 1, 0, "fast", None)
     for r, samples in ((slow, (10.0, 20.0, 5.0)), (fast, (12.0,))):
         for ms in samples:
-            r.observe_latency(ms, alpha=0.5)
+            r.stats.observe_latency(ms, alpha=0.5)
     assert (slow.ewma_latency_ms, fast.ewma_latency_ms) == (10.0, 12.0)  # 10 -> 15 -> 10; first sample sets it
     slow.observe_latency(30.0)  # default alpha 0.2: 0.2 * 30 + 0.8 * 10
     assert slow.ewma_latency_ms == 14.0
-
-    class Pool:
-        replicas = {0: [slow, fast]}
-
-        def alive(self, group):
-            return [r for r in self.replicas[group] if r.alive]
-
-    router = ExpertRouter.__new__(ExpertRouter)
-    router.pool = Pool()
-    assert router._pick(0) is fast  # same outstanding rows: the lower latency wins
-    fast.outstanding_rows = 8
-    assert router._pick(0) is slow  # fewer outstanding rows first
+    config = ExpertPoolConfig(split_min_rows=0)
+    assert choose([slow, fast], 8, config, {}) == [fast]  # nothing in flight: the lower latency wins
+    fast.begin(8, 0.0)  # one call in flight on the fast one: (1 + 1) x 12 ms > 14 ms
+    assert choose([slow, fast], 8, config, {}) == [slow]

@@ -1,0 +1,183 @@
+"""Latency-aware replica choice, row splitting and probes, on both transports, without a Ray cluster:
+in-process ExpertWorkers behind fake handles (tests/helpers/fake_ray.py) and, for the compiled-graph
+path, a fake graph that runs every member's ``forward_graph`` in-process.
+
+Covered: a fixed straggler is avoided after its first slow call (no hedge needed), probed at the
+interval without anyone waiting, and used again once it recovers; rows split over the fast
+replicas only; in a compiled graph a straggling member makes the router rebuild the graph over
+the group's other replica, and a guest replica is bound as a second task of its host; output
+identical to in-process experts throughout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from actors.config import ReplicationConfig
+from actors.expert_router import ExpertRouter
+from engine.checkpoint import CheckpointReader
+from engine.config import load_model_config
+from engine.model import ExpertStore
+from tests.helpers.fake_ray import FakePool, install_fake_ray
+
+TARGET = "checkpoints/stdlib-moe-target"
+CONFIG = load_model_config(TARGET)
+LAYER = CONFIG.moe.sparse_layers[-1]
+CHOICE = dict(replicas=2, hedge=False, probe_interval_s=0.05, split_min_rows=0)
+# Rows of one expert split over replicas go through GEMMs of other sizes: the same values up to
+# float32 rounding (greedy output stays identical: tests/actors/test_expert_replication.py).
+SPLIT_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    return install_fake_ray(monkeypatch)
+
+
+def _rows(seed: int = 0, per_expert: int = 3):
+    """``per_expert`` rows for every expert."""
+    gen = torch.Generator().manual_seed(seed)
+    n = per_expert * CONFIG.moe.num_experts
+    return torch.randn(n, CONFIG.hidden_size, generator=gen), torch.rand(n, generator=gen), [per_expert] * 8
+
+
+def _expected(rows, weights, counts) -> torch.Tensor:
+    store = ExpertStore(CheckpointReader(TARGET), CONFIG, dtype=torch.float32)
+    return store.forward(LAYER, rows, torch.tensor(counts), weights)
+
+
+def _forwards(replica) -> int:
+    return sum(1 for name, _ in replica.handle.calls if name in ("forward", "forward_graph"))
+
+
+class FakeGraph:
+    """The :class:`actors.compiled_graph.ActorGraph` surface the router uses: built at once on
+    request; an execution runs every member's ``forward_graph`` in-process (a delayed member's
+    worker sleeps its delay, as the real actor would)."""
+
+    def __init__(self, members) -> None:
+        self._members_fn, self.members, self.rebuilds, self.executions = members, [], 0, 0
+
+    @property
+    def live(self) -> bool:
+        return bool(self.members)
+
+    def request_build(self) -> None:
+        if not self.members:
+            self.members = self._members_fn()[0]
+
+    def rebuild(self) -> None:
+        self.members, self.rebuilds = [], self.rebuilds + 1
+
+    def fits(self, payload_bytes: int) -> bool:
+        return True  # these layers are small
+
+    def execute(self, request):
+        self.executions += 1
+        out = []
+        for i, m in enumerate(self.members):
+            m.handle.calls.append(("forward_graph", ()))
+            m.handle.target.delay_s = m.handle.delay_s
+            out.append(m.handle.target.forward_graph(request, i))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _router(**config) -> ExpertRouter:
+    """A router over a fake pool whose workers have loaded their weights (a first lazy load would
+    be timed as a slow call)."""
+    pool = FakePool.started(TARGET, **config)
+    for r in pool.all_replicas():
+        r.handle.target.load()
+    return ExpertRouter(pool, torch.float32)
+
+
+def test_a_fixed_straggler_is_avoided_probed_and_used_again_once_it_recovers(fake_ray):
+    router = _router(**CHOICE)
+    rows, weights, counts = _rows()
+    expected = _expected(rows, weights, counts)
+    router.run_layer(LAYER, rows, weights, counts)
+    slow, fast = router.pool.replicas[1]  # the first call of group 1 went to r0
+    assert _forwards(slow) == 1 and _forwards(fast) == 0
+    slow.handle.set_delay_ms.remote(500.0)
+    slow.ewma_latency_ms, fast.ewma_latency_ms = 0.5, 1.0  # the next call goes to the straggler
+    router.run_layer(LAYER, rows, weights, counts)
+    assert _forwards(slow) == 2 and slow.ewma_latency_ms > 5.0  # one slow call: avoided from now on
+    start, outs = time.monotonic(), []
+    for _ in range(5):
+        outs.append(router.run_layer(LAYER, rows, weights, counts))
+        time.sleep(0.02)
+    assert time.monotonic() - start < 0.45  # nobody waited for the 500 ms straggler
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert _forwards(slow) == 3  # a probe, unwaited, one at a time
+    time.sleep(0.55)
+    router.run_layer(LAYER, rows, weights, counts)  # reaps the probe: 500 ms, still avoided
+    assert slow.ewma_latency_ms >= 400.0
+    slow.handle.set_delay_ms.remote(0.0)  # it recovers: the next probe sees it
+    time.sleep(0.55)  # the probe sent before it recovered ends
+    for _ in range(3):
+        router.run_layer(LAYER, rows, weights, counts)
+        time.sleep(0.06)
+    assert slow.ewma_latency_ms < 50.0  # a fresh probe's latency, not the 500 ms of before
+    fast.ewma_latency_ms = 10 * slow.ewma_latency_ms + 50.0
+    calls = _forwards(slow)
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert _forwards(slow) == calls + 1  # chosen again (a chosen replica gets no probe)
+    assert router.num_hedges == 0 and router.num_retries == 0
+
+
+def test_rows_are_split_over_the_fast_replicas_only(fake_ray):
+    router = _router(**dict(CHOICE, split_min_rows=2, hot_expert_replicas={0: 3}))
+    rows, weights, counts = _rows(seed=1)  # 12 rows for group 0, 12 for group 1
+    expected = _expected(rows, weights, counts)
+    a, b, c = router.pool.replicas[0]
+    a.ewma_latency_ms, b.ewma_latency_ms, c.ewma_latency_ms = 1.0, 1.5, 100.0
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    forwards = [[args for name, args in r.handle.calls if name == "forward"] for r in (a, b, c)]
+    assert [len(f) for f in forwards] == [1, 1, 1] and router.num_probes == 1  # c: only a probe
+    assert sorted(sum(f[0][1]) for f in forwards[:2]) == [6, 6]  # counts of each part: 6 rows each
+    assert router.actor_imbalance[-1] == pytest.approx(6 / (24 / 5))  # 5 actors: 6, 6, 0 and 6, 6
+
+
+def test_a_straggling_graph_member_is_replaced_and_guests_are_bound_to_their_host(fake_ray):
+    config = dict(CHOICE, split_min_rows=1, straggler_floor_ms=50.0, replication=ReplicationConfig(
+        enabled=True, check_every_dispatches=2, patience_checks=1, min_interval_s=0.0, max_replicas_per_group=3))
+    router = _router(**config)
+    router.graph = FakeGraph(router._graph_members)
+    rows, weights, counts = _rows(seed=2)
+    expected = _expected(rows, weights, counts)
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert router.num_call_layers == 1 and router.graph.live  # built on the first request
+    slow, other = router.pool.replicas[1]
+    assert router.graph.members[1] is slow
+    slow.handle.set_delay_ms.remote(1000.0)
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert router.num_graph_layers == 1 and slow.ewma_latency_ms > 150.0  # 0.2 x 1 s at least
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert router.graph.rebuilds == 1 and router.num_call_layers == 2  # this layer by actor calls, not r0
+    router.graph.request_build()
+    assert router.graph.members[1] is other  # the rebuilt graph has the fast replica of group 1
+    start = time.monotonic()
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert time.monotonic() - start < 0.1 and router.num_graph_layers == 2
+
+    hot = [0] * 8
+    hot[0], hot[1] = 6, 6  # every row to group 0: a guest of it is added and becomes ready
+    hot_rows, hot_weights = rows[:12], weights[:12]
+    hot_expected = _expected(hot_rows, hot_weights, hot)
+    for _ in range(6):
+        torch.testing.assert_close(router.run_layer(LAYER, hot_rows, hot_weights, hot), hot_expected, **SPLIT_TOL)
+        router.graph.request_build()
+    guests = [r for r in router.pool.replicas[0] if r.host is not None]
+    assert len(guests) == 1 and guests[0].ready and router.graph.rebuilds >= 2
+    assert any(m is guests[0] for m in router.graph.members)  # bound once more, on its host's actor
+    before = _forwards(guests[0].host)
+    torch.testing.assert_close(router.run_layer(LAYER, hot_rows, hot_weights, hot), hot_expected, **SPLIT_TOL)
+    assert _forwards(guests[0].host) >= before + 2  # its own (empty) task and the guest's
+    assert router.actor_imbalance[-1] < 4.0
