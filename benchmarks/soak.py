@@ -44,8 +44,8 @@ import httpx  # noqa: E402
 
 from benchmarks.common import TARGET, load_prompts, print_table, save_json  # noqa: E402
 from benchmarks.serving.process_sampler import MemorySampler  # noqa: E402
+from benchmarks.serving.server_process import embedded_config, engine_gauge, free_port, serve_process  # noqa: E402
 from benchmarks.serving.soak_requests import KINDS, Outcome, SoakTarget  # noqa: E402
-from tests.helpers.server_process import embedded_config, engine_gauge, free_port, serve_process  # noqa: E402
 
 MIB = 1 << 20
 STORE_FLOOR_BYTES = MIB

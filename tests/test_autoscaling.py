@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers.server_process import free_port, wait_status
+from benchmarks.serving.server_process import free_port, wait_status
 from tests.test_lifecycle import _replicas
 
 

@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
+from benchmarks.serving.server_process import embedded_config, free_port, serve_process
 from engine import LLM, SamplingParams
-from tests.helpers.server_process import embedded_config, free_port, serve_process
 
 NAMESPACE = "specmoe-cluster-test"
 PROMPTS = ["def read_config(path):\n", "class LRUCache:\n", "import json\n\n\ndef load(", "def merge(a, b):\n"]

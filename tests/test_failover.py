@@ -11,8 +11,8 @@ import httpx
 import psutil
 import pytest
 
+from benchmarks.serving.server_process import embedded_config, free_port, serve_process
 from engine import LLM, SamplingParams
-from tests.helpers.server_process import embedded_config, free_port, serve_process
 from tests.test_lifecycle import _replicas
 
 PROMPTS = ["def read_config(path):\n", "class LRUCache:\n"]

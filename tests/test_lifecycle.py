@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from actors.cluster import UNCONFINABLE_LISTENERS
-from tests.helpers.server_process import (
+from benchmarks.serving.server_process import (
     embedded_config,
     engine_gauge,
     free_port,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from tests.helpers.server_process import process_tree
+from benchmarks.serving.server_process import process_tree
 
 _GCS_ADDRESS = re.compile(r"--gcs-address=(\S+)")
 

@@ -9,9 +9,9 @@ import re
 import httpx
 import pytest
 
+from benchmarks.serving.server_process import embedded_config, free_port, serve_process
 from engine import LLM
 from engine.sampling_params import SamplingParams
-from tests.helpers.server_process import embedded_config, free_port, serve_process
 from tests.helpers.tiny_checkpoints import make_eagle3_head
 
 pytestmark = pytest.mark.slow

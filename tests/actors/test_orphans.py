@@ -15,7 +15,7 @@ class _FakeActorClass:
         self.created: list[dict] = []
 
     def options(self, **options):
-        return type("Bound", (), {"remote": lambda _, *args: self._new(options)})()
+        return type("Bound", (), {"remote": lambda _, *args, **kwargs: self._new(options)})()
 
     def _new(self, options: dict) -> dict:
         handle = {"name": options["name"], "options": options}

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import soak
-from tests.helpers.server_process import free_port
+from benchmarks.serving.server_process import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

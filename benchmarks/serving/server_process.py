@@ -1,4 +1,4 @@
-"""`serve_app.py` in its own process on a YAML config written for a test (lifecycle, failover, cluster)."""
+"""`serve_app.py` in its own process on a YAML config written for the run (lifecycle, failover and cluster tests; the soak benchmark)."""
 
 from __future__ import annotations
 
