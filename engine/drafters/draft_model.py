@@ -61,6 +61,17 @@ class CachedDrafter:
         self._cached[seq_id] = []
         return slot
 
+    def _append_draft(self, r: DraftRequest, logits: torch.Tensor, b: int, tokens: list[list[int]],
+                      probs: list[list[torch.Tensor]], starts: list[int], feeds: list[list[int]]) -> None:
+        """One drafted token of request ``b``: sampled from ``logits`` ``(vocab,)``, recorded with
+        its ``q`` (sampling only), and fed at the next draft step."""
+        token, q = self._sample(r, logits)
+        tokens[b].append(token)
+        if q is not None:
+            probs[b].append(q)
+        starts[b] += len(feeds[b])
+        feeds[b] = [token]
+
     def _sample(self, r: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """Greedy: argmax, no q needed. Sampling: q from the same temperature/top-k/top-p rule
         the target uses, drawn with the request's own generator."""
@@ -110,12 +121,7 @@ class DraftModelDrafter(CachedDrafter):
                                        [starts[b] for b in active], device=self.draft.model.device)
             logits = self.draft.model.forward(batch, self.kv)  # (len(active), vocab)
             for row, b in enumerate(active):
-                token, q = self._sample(requests[b], logits[row])
-                tokens[b].append(token)
-                if q is not None:
-                    probs[b].append(q)
-                starts[b] += len(feeds[b])
-                feeds[b] = [token]
+                self._append_draft(requests[b], logits[row], b, tokens, probs, starts, feeds)
             active = [b for b in active if requests[b].k > step + 1]
             if not active:
                 break

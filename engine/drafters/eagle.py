@@ -86,12 +86,7 @@ class EagleDrafter(CachedDrafter):
                                        [starts[b] for b in active], device=self.head.device)
             logits, out = self.head.forward(batch, self.kv, features)  # (len(active), vocab), (.., hidden)
             for row, b in enumerate(active):
-                token, q = self._sample(requests[b], logits[row])
-                tokens[b].append(token)
-                if q is not None:
-                    probs[b].append(q)
-                starts[b] += len(feeds[b])
-                feeds[b] = [token]
+                self._append_draft(requests[b], logits[row], b, tokens, probs, starts, feeds)
             keep_rows = [row for row, b in enumerate(active) if requests[b].k > step + 1]
             active = [active[row] for row in keep_rows]
             if not active:
