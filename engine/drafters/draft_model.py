@@ -61,6 +61,14 @@ class CachedDrafter:
         self._cached[seq_id] = []
         return slot
 
+    def _step_batch(self, active: list[int], slots: list[int], feeds: list[list[int]], starts: list[int],
+                    device) -> ForwardBatch:
+        """The next draft forward's batch over the ``active`` requests (KV room reserved)."""
+        for b in active:
+            self.kv.reserve(slots[b], starts[b] + len(feeds[b]))
+        return ForwardBatch.build([slots[b] for b in active], [feeds[b] for b in active],
+                                  [starts[b] for b in active], device=device)
+
     def _append_draft(self, r: DraftRequest, logits: torch.Tensor, b: int, tokens: list[list[int]],
                       probs: list[list[torch.Tensor]], starts: list[int], feeds: list[list[int]]) -> None:
         """One drafted token of request ``b``: sampled from ``logits`` ``(vocab,)``, recorded with
@@ -115,10 +123,7 @@ class DraftModelDrafter(CachedDrafter):
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
         for step in range(max(r.k for r in requests)):
-            for b in active:
-                self.kv.reserve(slots[b], starts[b] + len(feeds[b]))
-            batch = ForwardBatch.build([slots[b] for b in active], [feeds[b] for b in active],
-                                       [starts[b] for b in active], device=self.draft.model.device)
+            batch = self._step_batch(active, slots, feeds, starts, self.draft.model.device)
             logits = self.draft.model.forward(batch, self.kv)  # (len(active), vocab)
             for row, b in enumerate(active):
                 self._append_draft(requests[b], logits[row], b, tokens, probs, starts, feeds)

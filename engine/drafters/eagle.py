@@ -18,7 +18,6 @@ import torch
 
 from engine.drafters.base import DraftProposal, DraftRequest
 from engine.drafters.draft_model import CachedDrafter, _common_prefix
-from engine.model import ForwardBatch
 from engine.model.eagle3 import Eagle3Head
 
 
@@ -80,10 +79,7 @@ class EagleDrafter(CachedDrafter):
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
         for step in range(max(r.k for r in requests)):
-            for b in active:
-                self.kv.reserve(slots[b], starts[b] + len(feeds[b]))
-            batch = ForwardBatch.build([slots[b] for b in active], [feeds[b] for b in active],
-                                       [starts[b] for b in active], device=self.head.device)
+            batch = self._step_batch(active, slots, feeds, starts, self.head.device)
             logits, out = self.head.forward(batch, self.kv, features)  # (len(active), vocab), (.., hidden)
             for row, b in enumerate(active):
                 self._append_draft(requests[b], logits[row], b, tokens, probs, starts, feeds)
