@@ -39,10 +39,19 @@ def _stream(url: str, prompt: str, out: dict, key: int) -> None:
     body = {"model": "stdlib-moe", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}
     events = out.setdefault(key, [])
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                elif line.strip():
+                    events.append({"error": f"HTTP {r.status_code}: {line}"})  # not a stream item
+    except httpx.HTTPError as e:  # kept for the assertion's message (a thread's exception is lost)
+        events.append({"error": f"{type(e).__name__}: {e}"})
+
+
+def _tail(log, num_lines: int = 40) -> str:
+    return "\n".join(log.read_text().splitlines()[-num_lines:])
 
 
 def _busiest_verifier(proc) -> psutil.Process:
@@ -62,9 +71,11 @@ def test_a_verifier_replica_dying_mid_stream_is_invisible_to_its_clients(server,
     threads = [threading.Thread(target=_stream, args=(url, p, out, i), daemon=True) for i, p in enumerate(PROMPTS)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while not all(len(out.get(i, [])) >= 2 for i in range(len(PROMPTS))):
-        assert time.monotonic() < deadline, "the streams did not start"
+        ended = [i for i, t in enumerate(threads) if not t.is_alive() and len(out.get(i, [])) < 2]
+        assert not ended and time.monotonic() < deadline, \
+            f"the streams did not start (ended: {ended}; events: {out}); server log tail:\n{_tail(log)}"
         time.sleep(0.05)
     victim = _busiest_verifier(proc)
     victim.send_signal(signal.SIGKILL)
