@@ -52,6 +52,14 @@ class GraphStats:
 
 
 
+@dataclass
+class Execution:
+    """One submitted graph execution: the graph it went to and its result reference."""
+
+    dag: Any
+    ref: Any
+
+
 class ActorGraph:
     """A compiled graph over the actors ``members()`` returns, built and torn down on demand.
 
@@ -79,6 +87,7 @@ class ActorGraph:
         self._lock = threading.Lock()  # guards _dag: execute, publish and teardown never overlap
         self._dag = None
         self._actors: list = []
+        self._inflight = 0  # executions submitted and not yet waited for (the janitor spares them)
         self._building = False
         self._closed = False
         self._teardowns: list[threading.Thread] = []
@@ -126,6 +135,13 @@ class ActorGraph:
             One result per actor, or None. Starts a background build when no graph is live; a
             failed execution tears the graph down and returns None.
         """
+        return self.wait(self.submit(request))
+
+    def submit(self, request: tuple) -> Execution | None:
+        """Start one execution without waiting (:meth:`wait` gets its results, in submission
+        order); None when no graph is live (a background build is started). Several may be in
+        flight: the actors run them in order, so one micro-batch's experts can run while the
+        engine thread computes another's attention (two-batch overlap)."""
         with self._lock:
             dag = self._dag
             if dag is None:
@@ -133,16 +149,41 @@ class ActorGraph:
                 return None
             self._last_used = time.monotonic()
             try:
-                results = ray.get(dag.execute(request), timeout=self.timeout_s)
-            except Exception as e:  # actor death, timeout, channel error: the graph is unusable now
-                self.stats.failures += 1
-                log.warning("compiled %s graph failed (%s: %s); falling back to actor calls",
-                            self.name, type(e).__name__, e)
-                self._dag, self._actors = None, []
-                self._teardowns.append(_teardown_in_background(dag, self.name))
+                ref = dag.execute(request)
+            except Exception as e:
+                self._failed(dag, e)
                 return None
-            self.stats.executions += 1
-            return results
+            self._inflight += 1
+            return Execution(dag, ref)
+
+    def wait(self, execution: Execution | None) -> list | None:
+        """The results of a submitted execution: one per actor, or None (no graph was live, or
+        it failed, now or in an execution before: the graph is then torn down)."""
+        if execution is None:
+            return None
+        try:
+            if execution.dag is not self._dag:  # an earlier execution failed: the graph is gone
+                return None
+            results = ray.get(execution.ref, timeout=self.timeout_s)
+        except Exception as e:  # actor death, timeout, channel error: the graph is unusable now
+            with self._lock:
+                self._failed(execution.dag, e)
+            return None
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                self._last_used = time.monotonic()
+        self.stats.executions += 1
+        return results
+
+    def _failed(self, dag, e: Exception) -> None:
+        """Tear ``dag`` down in the background if it is still the live graph (under the lock)."""
+        if dag is not self._dag:
+            return
+        self.stats.failures += 1
+        log.warning("compiled %s graph failed (%s: %s); falling back to actor calls", self.name, type(e).__name__, e)
+        self._dag, self._actors = None, []
+        self._teardowns.append(_teardown_in_background(dag, self.name))
 
     def rebuild(self) -> None:
         """Drop the live graph (torn down in the background) and build one over the current
@@ -211,7 +252,7 @@ class ActorGraph:
         while not self._closed:
             time.sleep(min(0.5, self.idle_teardown_s / 2))
             with self._lock:
-                if self._dag is None or time.monotonic() - self._last_used < self.idle_teardown_s:
+                if self._dag is None or self._inflight or time.monotonic() - self._last_used < self.idle_teardown_s:
                     continue
                 dag, self._dag, self._actors = self._dag, None, []
                 self.stats.idle_teardowns += 1

@@ -122,6 +122,10 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             of its group (result unread, nobody waits for it), so the router's latency view of an
             avoided straggler stays fresh and it is used again once it recovers.
         replication: online replication of hot groups (:class:`ReplicationConfig`).
+        two_batch_overlap: while the compiled graph is live, split each forward's sequences into
+            two micro-batches whose layers interleave, so one's attention runs on the verifier
+            while the other's experts run on the expert actors and the hop is hidden too
+            (DeepSeek-V3's and SGLang's two-batch overlap; output unchanged). False: one batch.
 
     Replica choice (both transports): a replica's expected completion is ``(calls in flight + 1)
     x its latency EWMA``; replicas above ``straggler_multiple`` x the group's best and above
@@ -158,6 +162,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     split_min_rows: int = 4
     probe_interval_s: float = 1.0
     replication: ReplicationConfig = msgspec.field(default_factory=ReplicationConfig)
+    two_batch_overlap: bool = True
 
     def __post_init__(self) -> None:
         self._check_offload()

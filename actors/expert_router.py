@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -77,6 +78,7 @@ class ExpertRouter:
         self.losers = Losers(ray)
         self.num_hedges = 0
         self.num_graph_layers = 0
+        self.num_overlapped_layers = 0  # graph layers submitted while another was still out
         self.num_call_layers = 0
         self.num_probes = 0
         replication = pool.config.replication
@@ -86,6 +88,9 @@ class ExpertRouter:
         self.actor_imbalance: deque[float] = deque(maxlen=4096)
         self.prefetch_enabled = pool.config.offload_settings() is not None and pool.config.prefetch
         self._hint: tuple[int, list[int]] | None = None
+        self.overlap = pool.config.two_batch_overlap
+        self._inflight = 0  # graph executions submitted and not yet finished
+        self._actor_free_s: dict[int, float] = {}  # when each actor finished our latest call (wall s)
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         """The model's prediction for the next MoE layer: sent with this layer's calls (offload)."""
@@ -97,9 +102,21 @@ class ExpertRouter:
         Raises:
             ExpertCallFailed: a group failed ``max_attempts`` times.
         """
+        return self.submit(layer, hidden, routing)()
+
+    def submit(self, layer: int, hidden: torch.Tensor, routing: RoutingResult) -> Callable[[], torch.Tensor]:
+        """Start the layer's expert calls; the returned function waits for :meth:`execute`'s
+        result (``engine.model.moe.submit_experts``). On a live compiled graph the execution runs
+        while the caller goes on (two-batch overlap); otherwise the calls go when it is called."""
         plan = dispatch(hidden, routing)
-        out = self.run_layer(layer, plan.hidden, plan.weights, plan.expert_counts.tolist())
-        return combine(out, plan.token_index, hidden.shape[0])
+        finish = self._start_layer(layer, plan.hidden, plan.weights, plan.expert_counts.tolist())
+        return lambda: combine(finish(), plan.token_index, hidden.shape[0])
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches the model splits a forward into (``experts.two_batch_overlap``): 2 while
+        the compiled graph is live, else 1 (actor calls are not overlapped)."""
+        return 2 if self.overlap and self.graph is not None and self.graph.live else 1
 
     def run_layer(self, layer: int, rows: torch.Tensor, weights: torch.Tensor,
                   expert_counts: list[int]) -> torch.Tensor:
@@ -112,10 +129,15 @@ class ExpertRouter:
         Returns:
             ``(num_rows, hidden_size)`` weighted expert outputs, in ``rows`` order.
         """
-        out = torch.empty_like(rows)
+        return self._start_layer(layer, rows, weights, expert_counts)()
+
+    def _start_layer(self, layer: int, rows: torch.Tensor, weights: torch.Tensor,
+                     expert_counts: list[int]) -> Callable[[], torch.Tensor]:
+        """:meth:`run_layer` up to the graph's submission; the returned function finishes it."""
         w = weights.detach().to("cpu", torch.float32)  # explicit host copy: the wire boundary
         hint, self._hint = self._hint, None
-        self._between_dispatches()
+        if not self._inflight:  # rebuilds and rebalancing wait until no execution is out
+            self._between_dispatches()
         members = self._live_members()
         if members is not None and not self.graph.fits(rows.nbytes + w.nbytes):
             members = None  # a large prefill's rows: too big for the channels, so actor calls
@@ -125,23 +147,39 @@ class ExpertRouter:
         self._record_balance(calls, expert_counts)
         records = [c.record for c in calls]
         ctx = self.telemetry.begin_dispatch(layer, rows.shape[0], records, self.telemetry.current_carrier())
-        error = None
         try:
-            results = self._via_graph(layer, calls, ctx, members) if members is not None else None
-            if results is None:
-                results = self._via_actor_calls(layer, calls, ctx)
-                self.num_call_layers += 1
-            else:
-                self.num_graph_layers += 1
-            self._probe(layer, calls, members)
+            execution = self._submit_graph(layer, calls, ctx, members) if members and calls else None
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+            self.telemetry.end_dispatch(ctx, layer, expert_counts, records, f"{type(e).__name__}: {e}")
             raise
-        finally:
-            self.telemetry.end_dispatch(ctx, layer, expert_counts, records, error)
-        for c, result in zip(calls, results):
-            out[c.start:c.end] = result
-        return out
+        if execution is not None:
+            self.num_overlapped_layers += self._inflight > 0  # another micro-batch's experts are still out
+            self._inflight += 1
+
+        def finish() -> torch.Tensor:
+            error = None
+            try:
+                results = self._wait_graph(calls, execution) if execution is not None else None
+                if results is None and members and calls:
+                    self._abandon(calls)
+                if results is None:
+                    results = self._via_actor_calls(layer, calls, ctx)
+                    self.num_call_layers += 1
+                else:
+                    self.num_graph_layers += 1
+                self._probe(layer, calls, members)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                self._inflight -= execution is not None
+                self.telemetry.end_dispatch(ctx, layer, expert_counts, records, error)
+            out = torch.empty_like(rows)
+            for c, result in zip(calls, results):
+                out[c.start:c.end] = result
+            return out
+
+        return finish
 
     def _between_dispatches(self) -> None:
         """Reap ended losers and probes, let the rebalancer act, rebuild a stale graph."""
@@ -236,10 +274,8 @@ class ExpertRouter:
                     self.losers.add_probe(probe.ref, r, c.record.rows, probe.sent_s, probe.sent_mono_s)
                     self.num_probes += 1
 
-    def _via_graph(self, layer: int, calls: list[Call], ctx: Any, members: list[Replica]) -> list | None:
-        """One compiled-graph execution, or None (the graph failed: use actor calls)."""
-        if not calls:
-            return []
+    def _submit_graph(self, layer: int, calls: list[Call], ctx: Any, members: list[Replica]):
+        """Submit the layer as one compiled-graph execution (None: no graph is live any more)."""
         sent_s = time.time()
         index = {id(m): i for i, m in enumerate(members)}
         per_member: list = [None] * len(members)
@@ -250,18 +286,33 @@ class ExpertRouter:
                     c.hint)
             per_member[index[id(c.replica)]] = call if c.replica.host is None else (*call, c.record.expert_ids)
             c.replica.stats.last_call_s = time.monotonic()
-        results = self.graph.execute((layer, per_member, sent_s))
+        execution = self.graph.submit((layer, per_member, sent_s))
+        return None if execution is None else (execution, index)
+
+    def _wait_graph(self, calls: list[Call], submitted: tuple) -> list | None:
+        """The outputs of a submitted execution, or None (the graph failed: use actor calls).
+
+        A call's own latency starts when it was sent or when its actor finished this router's
+        previous call, whichever is later: behind another micro-batch's execution it queued, and
+        queueing behind our own work must not make the actor look like a straggler."""
+        execution, index = submitted
+        results = self.graph.wait(execution)
         if results is None:
-            for c in calls:
-                self.telemetry.abandon_call(c.record, "compiled graph failed")
-                c.record.attempts = 0
             return None
         out = []
         for c in calls:
             result, timing = results[index[id(c.replica)]]
-            self._done(c.record, c.replica, timing)
+            free_s = self._actor_free_s.get(id(c.replica), 0.0)
+            self._done(c.record, c.replica, timing, max(c.record.sent_s, free_s))
+            self._actor_free_s[id(c.replica)] = c.record.done_s
             out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
+
+    def _abandon(self, calls: list[Call]) -> None:
+        """The graph failed under these calls: their attempts end, actor calls go next."""
+        for c in calls:
+            self.telemetry.abandon_call(c.record, "compiled graph failed")
+            c.record.attempts = 0
 
     def _via_actor_calls(self, layer: int, calls: list[Call], ctx: Any) -> list:
         """Every group's call in flight at once; hedged past its deadline; retried on another

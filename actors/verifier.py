@@ -193,6 +193,7 @@ class VerifierServer:
         m["transport"] = {
             "kind": self.config.experts.transport,
             "graph_layers": self.router.num_graph_layers if self.router else 0,
+            "overlapped_layers": self.router.num_overlapped_layers if self.router else 0,
             "call_layers": self.router.num_call_layers if self.router else 0,
             "graph_live": bool(self.router and self.router.graph and self.router.graph.live),
             "graph_members": [r.name for r in self.router.graph.members] if self.router and self.router.graph else [],

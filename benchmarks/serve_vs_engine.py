@@ -10,7 +10,8 @@ and draft actors over the configured transport) from this process without Serve 
 (``unit_tok_per_s``), which splits that cost into hops and Serve/ingress. Before timing, warm-up requests run until
 the server's compiled graphs are live (they build in the background, ~2 s, after an idle
 teardown). At concurrency 1 the HTTP run streams, giving TPOT p50 (``(e2e - TTFT) / (n - 1)`` per
-request) against the in-process engine's time per output token.
+request) against the in-process engine's time per output token. ``--compare-two-batch-overlap``
+adds the serving unit with ``experts.two_batch_overlap`` flipped (``unit_tbo_gain``: on / off).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -169,6 +171,13 @@ def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, ar
         e = engine_run(config, prompts, conc, k, args.max_tokens)
         rep = {"http_tok_per_s": h["tok_per_s"], "unit_tok_per_s": u["tok_per_s"], "engine_tok_per_s": e["tok_per_s"],
                "ratio": h["tok_per_s"] / e["tok_per_s"], "unit_ratio": u["tok_per_s"] / e["tok_per_s"]}
+        if args.compare_two_batch_overlap:  # the unit once more with the other setting: its gain
+            time.sleep(config.experts.graph_idle_teardown_s + 1.0)
+            x = config.experts
+            other = msgspec.structs.replace(config, experts=msgspec.structs.replace(
+                x, two_batch_overlap=not x.two_batch_overlap))
+            o = unit_run(other, prompts, conc, k, args.max_tokens)["tok_per_s"]
+            rep["unit_tbo_gain"] = (u["tok_per_s"] / o) if x.two_batch_overlap else (o / u["tok_per_s"])
         if "tpot_p50_ms" in h:  # against the in-process time per output token at this concurrency
             rep.update(http_tpot_p50_ms=h["tpot_p50_ms"], engine_ms_per_token=1e3 / e["tok_per_s"],
                        tpot_over_engine=h["tpot_p50_ms"] * e["tok_per_s"] / 1e3)
@@ -191,6 +200,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats per point (medians)")
+    parser.add_argument("--compare-two-batch-overlap", action="store_true",
+                        help="also run the serving unit with experts.two_batch_overlap flipped: unit_tbo_gain = "
+                             "unit tok/s with it on / off")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     config = load_yaml(args.config, ServeConfig)

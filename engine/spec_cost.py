@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.model.moe import submit_experts
+
 
 class OnlineLinearCost:
     """``seconds ~= theta . features`` fitted online; ``theta >= 0``.
@@ -130,8 +132,12 @@ class ActivationMeter:
         self._active: list = []
 
     def execute(self, layer: int, hidden, routing):
+        return self.submit(layer, hidden, routing)()
+
+    def submit(self, layer: int, hidden, routing):
+        """Count the layer's experts and start them (``engine.model.moe.submit_experts``)."""
         self._active.append((routing.expert_counts > 0).sum())
-        return self.inner.execute(layer, hidden, routing)
+        return submit_experts(self.inner, layer, hidden, routing)
 
     def take(self) -> int | None:
         """Distinct (layer, expert) pairs since the last call; None if no MoE layer ran."""

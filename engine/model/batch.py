@@ -23,6 +23,7 @@ class ForwardBatch:
         logits_indices: ``(num_logits,)`` int64 rows of the flattened tokens that need logits.
         slot_range: ``(first, last + 1)`` when the slots are consecutive and ascending (the KV cache
             rows are then a view, not a gather), else None; known on the host, so no device sync.
+        logit_counts: logit rows per sequence (host), in batch order.
     """
 
     input_ids: torch.Tensor
@@ -34,10 +35,38 @@ class ForwardBatch:
     token_qidx: torch.Tensor
     logits_indices: torch.Tensor
     slot_range: tuple[int, int] | None = None
+    logit_counts: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def split(self, parts: int) -> list[ForwardBatch]:
+        """Contiguous micro-batches of whole sequences with about equal token counts (two-batch
+        overlap); at most ``num_seqs`` of them. Fields are views or small device ops on this
+        batch's tensors; every boundary is known on the host, so no device sync.
+
+        Concatenating the micro-batches' logit rows (and token rows) in order gives this batch's.
+        """
+        parts = max(1, min(parts, self.num_seqs))
+        cum = list(itertools.accumulate(self.query_lens))
+        bounds = [0]
+        for k in range(1, parts):  # each cut where the tokens before it are nearest k / parts of all
+            cuts = range(bounds[-1] + 1, self.num_seqs - (parts - k) + 1)  # a sequence left per part
+            bounds.append(min(cuts, key=lambda j: abs(cum[j - 1] - cum[-1] * k / parts)))
+        bounds.append(self.num_seqs)
+        counts = self.logit_counts or [1] * self.num_seqs
+        out, tok0, logit0 = [], 0, 0
+        for a, b in zip(bounds, bounds[1:]):
+            ntok, nlog = sum(self.query_lens[a:b]), sum(counts[a:b])
+            slots = self.slots[a:b]
+            rng = None if self.slot_range is None else (self.slot_range[0] + a, self.slot_range[0] + b)
+            out.append(ForwardBatch(self.input_ids[tok0:tok0 + ntok], self.positions[tok0:tok0 + ntok], slots,
+                                    self.query_lens[a:b], self.seq_lens[a:b], self.token_seq[tok0:tok0 + ntok] - a,
+                                    self.token_qidx[tok0:tok0 + ntok],
+                                    self.logits_indices[logit0:logit0 + nlog] - tok0, rng, counts[a:b]))
+            tok0, logit0 = tok0 + ntok, logit0 + nlog
+        return out
 
     @classmethod
     def build(
@@ -84,4 +113,4 @@ class ForwardBatch:
         fields = host.to(device).split([len(part) for part in parts])
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         return cls(*fields[:3], query_lens, [s + n for s, n in zip(start_positions, query_lens)], *fields[3:],
-                   slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None)
+                   slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None, logit_counts=logits)

@@ -8,7 +8,7 @@ combined output, so the model never knows where its experts live.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -32,6 +32,19 @@ class ExpertExecutor(Protocol):
         """``hidden``: ``(num_tokens, hidden_size)`` -> ``(num_tokens, hidden_size)``, the
         routing-weighted sum of each token's top-k expert outputs (shared experts excluded)."""
         ...
+
+
+def submit_experts(executor: ExpertExecutor, layer: int, hidden: torch.Tensor,
+                   routing: RoutingResult) -> Callable[[], torch.Tensor]:
+    """Start one MoE layer's experts; the returned function waits for ``execute``'s result.
+
+    An executor with a ``submit`` method (the same arguments, returning that function) keeps its
+    experts running while the caller goes on (two-batch overlap); any other runs ``execute`` now.
+    """
+    if hasattr(executor, "submit"):
+        return executor.submit(layer, hidden, routing)
+    out = executor.execute(layer, hidden, routing)
+    return lambda: out
 
 
 class DispatchPlan(NamedTuple):

@@ -7,6 +7,7 @@ slot KV cache, and MoE experts are reached through an :class:`ExpertExecutor` ap
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
 from engine.model.dense import DenseOps
 from engine.model.layers import Rotary, attention, plan_attention, rms_norm
-from engine.model.moe import ExpertExecutor
+from engine.model.moe import ExpertExecutor, submit_experts
 from engine.model.names import layer_prefix, mlp_names, moe_prefix, router_name
 from kernels.expert_ffn import swiglu
 from kernels.routing import topk_routing
@@ -139,10 +140,26 @@ class Transformer:
         is the input of layer ``i``, id 0 the embeddings; specmoe also takes ``num_layers``, the
         last layer's output before the final norm).
 
+        With an executor whose experts run elsewhere and that asks for ``microbatches`` > 1 (the
+        Ray expert router), the batch's sequences are split into that many micro-batches whose
+        layers interleave: one micro-batch's attention runs while another's experts are out (two-
+        batch overlap, as in DeepSeek-V3's inference and SGLang's ``--enable-two-batch-overlap``).
+        Each micro-batch computes exactly what it would alone, so the output is the same.
+
         Returns:
             the logits, and ``(num_tokens, len(layer_ids) * hidden)`` features in ``layer_ids``
             order (None when ``layer_ids`` is empty).
         """
+        parts = batch.split(getattr(self.experts, "microbatches", 1)) if self.experts is not None else [batch]
+        outs = _interleave([self._layer_steps(b, kv, layer_ids) for b in parts])
+        if len(outs) == 1:
+            return outs[0]
+        logits = torch.cat([o[0] for o in outs])
+        return logits, (torch.cat([o[1] for o in outs]) if layer_ids else None)
+
+    def _layer_steps(self, batch: ForwardBatch, kv: KVCache, layer_ids: tuple[int, ...]):
+        """The forward of one (micro-)batch as a generator: it yields while a MoE layer's experts
+        are out (submitted, not yet waited for) and returns ``(logits, features)``."""
         x = F.embedding(batch.input_ids, self.embed)  # (num_tokens, hidden)
         captured: dict[int, torch.Tensor] = {}
         plan = plan_attention(batch, self.config.sliding_window)  # the same for every layer
@@ -156,23 +173,47 @@ class Transformer:
                                              c.rms_norm_eps, c.num_heads, c.num_kv_heads)
             out = attention(q, k, v, kv.k[i], kv.v[i], batch, plan)
             x, h = dense.attention_output(out, x, a.wo, a.bo, layer.post_attn_norm, c.rms_norm_eps)
-            x = x + self._mlp(i, layer, h)
+            if layer.router is None:
+                x = x + swiglu(h, *layer.mlp)
+                continue
+            moe = self.config.moe
+            routing = topk_routing(F.linear(h, layer.router), moe.top_k, moe.renormalize)
+            if self.predictor is not None:
+                self.predictor.hint(i, h, routing)
+            pending = submit_experts(self.experts, i, h, routing)
+            try:
+                yield  # another micro-batch's attention runs while these experts are out
+            except GeneratorExit:  # another micro-batch failed: collect these experts, then stop
+                with contextlib.suppress(Exception):
+                    pending()
+                raise
+            out = pending()
+            if layer.shared is not None:
+                out = out + torch.sigmoid(F.linear(h, layer.shared_gate)) * swiglu(h, *layer.shared)
+            x = x + out
         captured[len(self.layers)] = x
         features = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
         x = rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float(), features
 
-    def _mlp(self, i: int, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        if layer.router is None:
-            return swiglu(h, *layer.mlp)
-        moe = self.config.moe
-        routing = topk_routing(F.linear(h, layer.router), moe.top_k, moe.renormalize)
-        if self.predictor is not None:
-            self.predictor.hint(i, h, routing)
-        out = self.experts.execute(i, h, routing)
-        if layer.shared is not None:
-            out = out + torch.sigmoid(F.linear(h, layer.shared_gate)) * swiglu(h, *layer.shared)
-        return out
+
+def _interleave(steps: list) -> list:
+    """Drive generators round-robin until each returns; their return values in order."""
+    results: list = [None] * len(steps)
+    live = list(range(len(steps)))
+    while live:
+        for j in list(live):
+            try:
+                next(steps[j])
+            except StopIteration as done:
+                results[j] = done.value
+                live.remove(j)
+            except BaseException:
+                for other in live:  # the others drain what they have out (see _layer_steps)
+                    if other != j:
+                        steps[other].close()
+                raise
+    return results
 
 
 class _Loader:

@@ -98,9 +98,9 @@ def test_a_replica_added_or_removed_mid_request_loses_nothing(fake_ray, skewed):
     llm = LLM(model=skewed, skip_tokenizer_init=True, max_num_seqs=4)
     reference = _greedy(llm, max_tokens=12)
     router = _attach(llm, skewed, replication=REPLICATION)
-    run_layer, dispatches, removed = router.run_layer, [], []
+    submit, dispatches, removed = router.submit, [], []
 
-    def run_layer_and_remove(*args):
+    def submit_and_remove(*args):
         dispatches.append(1)
         guests = [r for r in router.pool.replicas[0] if r.host is not None and r.ready]
         if len(dispatches) % 12 == 0 and guests:  # every 3rd step: remove a guest mid-forward
@@ -108,9 +108,9 @@ def test_a_replica_added_or_removed_mid_request_loses_nothing(fake_ray, skewed):
             victim.handle.set_delay_ms.remote(50.0)  # a probe or call of it may be in flight
             router.rebalancer.remove(victim)
             removed.append(victim)
-        return run_layer(*args)
+        return submit(*args)
 
-    router.run_layer = run_layer_and_remove
+    router.submit = submit_and_remove
     assert _greedy(llm, max_tokens=12) == reference
     assert removed and router.rebalancer.num_added > len(removed)  # re-added after each removal
     assert router.rebalancer.num_removed == len([v for v in removed if not v.alive])

@@ -78,6 +78,22 @@ def test_graph_and_actor_calls_equal_in_process_experts(graph_router):
         torch.testing.assert_close(b, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_two_layers_out_at_once_on_the_graph_give_the_same_outputs(graph_router):
+    router = graph_router
+    assert router.microbatches == 1  # no graph yet: actor calls are not overlapped
+    _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+    assert router.microbatches == 2
+    a, b = _layer_inputs(5, seed=4), _layer_inputs(11, seed=5)
+    executions = router.graph.stats.executions
+    wait_a = router.submit(2, *a)
+    wait_b = router.submit(2, *b)  # submitted before A is waited for: both are out
+    assert router.num_overlapped_layers == 1
+    outs = [wait_a(), wait_b()]
+    assert router.graph.stats.executions == executions + 2 and router.num_call_layers == 0
+    for (hidden, routing), out in zip((a, b), outs):
+        torch.testing.assert_close(out, _expected(2, hidden, routing), rtol=1e-6, atol=1e-6)
+
+
 def test_a_layer_too_large_for_the_channels_goes_by_actor_calls(graph_router):
     router = graph_router
     _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
