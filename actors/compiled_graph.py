@@ -11,12 +11,13 @@ Ray's constraints shape the lifecycle (Ray 2.60): ``execute`` is not thread-safe
 the engine thread executes once the graph is live); an actor belongs to one graph at a time (so
 the actors are private to the replica); compiling plus the first execution takes ~2 s (built on a
 background thread while the router falls back to actor calls); channel readers poll with
-``sched_yield`` (an idle graph would burn a core per actor, so it is torn down after
-``graph_idle_teardown_s`` unused); and any failure (actor death, timeout) leaves the graph
-unusable, so it is torn down and rebuilt from the current members. Ray frees no channel memory:
-a message larger than the channel buffer goes through a new buffer that is never freed, and a
-teardown frees none of the graph's buffers (``benchmarks/graph_channel_leak.py``), so callers send
-larger messages another way (:meth:`ActorGraph.fits`).
+``sched_yield`` (an idle graph would burn a core per actor, so after ``graph_idle_park_s``
+unused it is *parked*: every actor blocks in a parking execution until the next request wakes it,
+:mod:`actors.graph_park`); and any failure (actor death, timeout) leaves the graph unusable, so
+it is torn down and rebuilt from the current members. Ray frees no channel memory: a message
+larger than the channel buffer goes through a new buffer that is never freed, and a teardown
+frees none of the graph's buffers (``benchmarks/graph_channel_leak.py``), so callers send larger
+messages another way (:meth:`ActorGraph.fits`), and idleness parks rather than tears down.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+
+from actors.graph_park import PARK
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class GraphStats:
     build_failures: int = 0
     executions: int = 0
     failures: int = 0
-    idle_teardowns: int = 0
+    parks: int = 0  # idle periods spent parked (actors blocked, not polling)
     oversize: int = 0  # messages too large for the channels, sent another way
     rebuilds: int = 0
 
@@ -71,23 +74,24 @@ class ActorGraph:
             member's list index.
         warmup: the request of the first, unwaited execution that starts the actors' loops.
         timeout_s: longest wait for one execution's results before the graph counts as failed.
-        idle_teardown_s: tear the graph down after this long without an execution.
+        idle_park_s: park the graph (:mod:`actors.graph_park`) after this long without an execution.
         buffer_size_bytes: initial channel size (Ray resizes channels for larger messages).
         build_after_s: build only once the graph has been wanted (requests no more than
-            ``idle_teardown_s`` apart) for this long: a build costs ~2 s of CPU, which on a small
+            ``idle_park_s`` apart) for this long: a build costs ~2 s of CPU, which on a small
             machine would delay a short burst more than actor calls do.
     """
 
     def __init__(self, name: str, members: Callable[[], tuple[list, str]], warmup: Callable[[int], Any],
-                 timeout_s: float, idle_teardown_s: float, buffer_size_bytes: int, build_after_s: float = 0.0) -> None:
+                 timeout_s: float, idle_park_s: float, buffer_size_bytes: int, build_after_s: float = 0.0) -> None:
         self.name, self._members, self._warmup = name, members, warmup
         self.timeout_s, self.build_after_s = timeout_s, build_after_s
-        self.idle_teardown_s, self.buffer_size_bytes = idle_teardown_s, buffer_size_bytes
+        self.idle_park_s, self.buffer_size_bytes = idle_park_s, buffer_size_bytes
         self.stats = GraphStats()
         self._lock = threading.Lock()  # guards _dag: execute, publish and teardown never overlap
         self._dag = None
         self._actors: list = []
         self._inflight = 0  # executions submitted and not yet waited for (the janitor spares them)
+        self._parking = None  # the parking execution's result ref while the graph is parked
         self._building = False
         self._closed = False
         self._teardowns: list[threading.Thread] = []
@@ -101,12 +105,17 @@ class ActorGraph:
                     config) -> ActorGraph:
         """Timeout, idle teardown, channel size and build delay from an ``ExpertPoolConfig``
         (the ``experts`` section: one set of graph settings for the expert and draft graphs)."""
-        return cls(name, members, warmup, config.call_timeout_s, config.graph_idle_teardown_s,
+        return cls(name, members, warmup, config.call_timeout_s, config.graph_idle_park_s,
                    config.graph_buffer_size_bytes, config.graph_build_after_s)
 
     @property
     def live(self) -> bool:
         return self._dag is not None
+
+    @property
+    def parked(self) -> bool:
+        """Live, and idle long enough that its actors block in a parking execution."""
+        return self._parking is not None
 
     @property
     def members(self) -> list:
@@ -149,6 +158,7 @@ class ActorGraph:
                 return None
             self._last_used = time.monotonic()
             try:
+                self._unpark()
                 ref = dag.execute(request)
             except Exception as e:
                 self._failed(dag, e)
@@ -182,7 +192,7 @@ class ActorGraph:
             return
         self.stats.failures += 1
         log.warning("compiled %s graph failed (%s: %s); falling back to actor calls", self.name, type(e).__name__, e)
-        self._dag, self._actors = None, []
+        self._drop()
         self._teardowns.append(_teardown_in_background(dag, self.name))
 
     def rebuild(self) -> None:
@@ -191,7 +201,7 @@ class ActorGraph:
         with self._lock:
             if self._dag is None:
                 return
-            dag, self._dag, self._actors = self._dag, None, []
+            dag = self._drop()
             self.stats.rebuilds += 1
             self._teardowns.append(_teardown_in_background(dag, self.name))
             self._start_build()  # traffic is steady (the graph was in use): no build_after_s wait
@@ -205,7 +215,7 @@ class ActorGraph:
 
     def _want(self) -> None:
         now = time.monotonic()
-        if self._wanted_since is None or now - self._last_used > self.idle_teardown_s:
+        if self._wanted_since is None or now - self._last_used > self.idle_park_s:
             self._wanted_since = now  # a new burst: the earlier one ended without a graph
         self._last_used = now
         if now - self._wanted_since >= self.build_after_s:
@@ -250,19 +260,52 @@ class ActorGraph:
 
     def _janitor_loop(self) -> None:
         while not self._closed:
-            time.sleep(min(0.5, self.idle_teardown_s / 2))
+            time.sleep(min(0.5, self.idle_park_s / 2))
             with self._lock:
-                if self._dag is None or self._inflight or time.monotonic() - self._last_used < self.idle_teardown_s:
+                if (self._dag is None or self._parking is not None or self._inflight
+                        or time.monotonic() - self._last_used < self.idle_park_s):
                     continue
-                dag, self._dag, self._actors = self._dag, None, []
-                self.stats.idle_teardowns += 1
-                _teardown(dag)
+                try:
+                    self._parking = self._dag.execute(PARK)
+                    self.stats.parks += 1
+                except Exception as e:
+                    self._failed(self._dag, e)
+
+    def _drop(self):
+        """Forget the live graph (under the lock) and return it for a teardown; a parked one is
+        woken first: an actor must leave its bound method before the teardown can stop its loop."""
+        self._wake()
+        dag, self._dag, self._actors, self._parking = self._dag, None, [], None
+        return dag
+
+    def _wake(self) -> None:
+        """Release every parked actor (under the lock): one release per binding of each actor."""
+        if self._parking is None:
+            return
+        bindings: dict = {}
+        for m in self._actors:
+            key = getattr(m.handle, "_actor_id", None) or id(m.handle)
+            bindings.setdefault(key, [m.handle, 0])[1] += 1
+        for handle, n in bindings.values():
+            try:
+                handle.wake_graph.remote(n)
+            except Exception:  # a dead actor: the parking execution's result says so
+                log.debug("waking a parked %s graph member failed", self.name, exc_info=True)
+
+    def _unpark(self) -> None:
+        """Wake a parked graph and read its parking execution (under the lock); raises what that
+        read raises (a member died while parked)."""
+        if self._parking is None:
+            return
+        self._wake()
+        parking, self._parking = self._parking, None
+        ray.get(parking, timeout=self.timeout_s)
 
     def close(self) -> None:
         """Tear the graph down for good (replica shutdown)."""
         with self._lock:
             self._closed = True
-            dag, self._dag, self._actors = self._dag, None, []
+            dag = self._drop()
         if dag is not None:
             _teardown(dag)
         for t in self._teardowns:  # a rebuild's teardown still running would outlive Ray's shutdown

@@ -86,12 +86,13 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             fallback while the graph builds or after it failed. ``actor_calls``: one Ray actor
             call per group, issued from the engine thread (~1.5-2 ms a layer); the actors are then
             named, detached and shared by every verifier replica. See docs/TRANSPORT.md.
-        graph_idle_teardown_s: a compiled graph unused this long is torn down, because its readers
-            poll (each idle actor would burn a core); the next step rebuilds it in the background.
+        graph_idle_park_s: a compiled graph unused this long is parked, because its readers
+            poll (each idle actor would burn a core): its actors block in a parking execution
+            until the next step wakes them (~5 ms; no rebuild, no new channel buffers).
         graph_buffer_size_bytes: size of each compiled-graph channel; a layer whose rows would not
             fit goes by actor calls (Ray would leak a new buffer per such message; docs/TRANSPORT.md).
         graph_build_after_s: (re)build a graph only after this long of steady traffic without one
-            (steps no more than ``graph_idle_teardown_s`` apart): a build costs ~2 s of CPU, more than
+            (steps no more than ``graph_idle_park_s`` apart): a build costs ~2 s of CPU, more than
             a short burst loses by going over actor calls.
         hedge: hedged expert calls on the actor-call path (``actor_calls``, and the fallback while
             a compiled graph is not live): a call to a group with >= 2 live replicas that has not
@@ -145,7 +146,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     straggler_floor_ms: float = 5.0
     namespace: str = "specmoe"
     transport: Literal["compiled_graph", "actor_calls"] = "compiled_graph"
-    graph_idle_teardown_s: float = 2.0
+    graph_idle_park_s: float = 2.0
     graph_buffer_size_bytes: int = 1_000_000
     graph_build_after_s: float = 1.0
     hedge: bool = True
@@ -174,8 +175,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             raise ValueError("experts.resources values must be > 0")
         if self.call_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("experts.call_timeout_s must be > 0 and experts.max_attempts >= 1")
-        if self.graph_idle_teardown_s <= 0 or self.graph_buffer_size_bytes < 1024 or self.graph_build_after_s < 0:
-            raise ValueError("experts.graph_idle_teardown_s must be > 0, experts.graph_buffer_size_bytes >= 1024 "
+        if self.graph_idle_park_s <= 0 or self.graph_buffer_size_bytes < 1024 or self.graph_build_after_s < 0:
+            raise ValueError("experts.graph_idle_park_s must be > 0, experts.graph_buffer_size_bytes >= 1024 "
                              "and experts.graph_build_after_s >= 0")
         if not 0 < self.hedge_quantile <= 1:
             raise ValueError(f"experts.hedge_quantile must be in (0, 1], got {self.hedge_quantile}")

@@ -23,6 +23,7 @@ import ray
 import torch
 
 from actors.compiled_graph import ActorGraph, kill_actor
+from actors.graph_park import GraphParking
 from actors.wire import from_bytes, to_bytes
 from engine.drafters.base import DraftProposal, DraftRequest
 
@@ -69,7 +70,7 @@ def _features_from_wire(w: dict) -> tuple[torch.Tensor | None, int]:
     return from_bytes(w["features"], w["features_shape"], getattr(torch, w["features_dtype"])), w["features_start"]
 
 
-class DraftServer:
+class DraftServer(GraphParking):
     """Serves draft proposals from a draft model.
 
     Args:
@@ -96,6 +97,7 @@ class DraftServer:
         from engine.loader import load_model
         from observability import TracingConfig, setup_tracing
 
+        super().__init__()
         torch.set_num_threads(1)
         setup_tracing("draft", msgspec.convert(tracing, TracingConfig) if tracing else None)
         if method == "eagle3":
@@ -134,9 +136,9 @@ class DraftServer:
                     for i, r in enumerate(requests)]
 
     def propose_graph(self, request: tuple | None, index: int) -> list[dict] | None:
-        """One compiled-graph execution: ``request`` is ``(wire, release, carrier)``, or None for
-        the warm-up execution after compiling."""
-        return None if request is None else self.propose(*request)
+        """One compiled-graph execution: ``request`` is ``(wire, release, carrier)``, None for
+        the warm-up execution after compiling, or :data:`actors.graph_park.PARK`."""
+        return None if request is None or self._parked(request) else self.propose(*request)
 
     def num_cache_misses(self) -> int:
         return self.model_drafter.num_cache_misses

@@ -8,10 +8,11 @@ import time
 import numpy as np
 import ray
 
+from actors.graph_park import GraphParking
 from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 
 
-class ExpertWorker:
+class ExpertWorker(GraphParking):
     """Computes the expert FFN for token groups of the experts it holds.
 
     Args:
@@ -32,6 +33,7 @@ class ExpertWorker:
         from engine.config import load_model_config
         from engine.loader import resolve_dtype
 
+        super().__init__()
         torch.set_num_threads(torch_threads)
         self.dtype = resolve_dtype(dtype)
         self.device = device
@@ -109,7 +111,8 @@ class ExpertWorker:
                 is None (nothing for this actor this layer) or ``(counts, hidden, weights, carrier, hint[, experts])``
                 with ``hidden`` the bytes of ``(sum(counts), hidden_size)`` rows and ``weights`` the
                 bytes of ``(sum(counts),)`` float32 (:func:`actors.wire.to_bytes`). ``layer`` None is
-                the warm-up execution after compiling.
+                the warm-up execution after compiling; :data:`actors.graph_park.PARK` parks the
+                actor until :meth:`wake_graph`.
             index: this actor's position in the graph (bound at compile time).
 
         Returns:
@@ -119,6 +122,8 @@ class ExpertWorker:
         import torch
 
         start = time.time()
+        if self._parked(request):
+            return None
         layer, calls, sent_time_s = request
         call = calls[index] if layer is not None else None
         if call is None:

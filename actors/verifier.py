@@ -196,6 +196,7 @@ class VerifierServer:
             "overlapped_layers": self.router.num_overlapped_layers if self.router else 0,
             "call_layers": self.router.num_call_layers if self.router else 0,
             "graph_live": bool(self.router and self.router.graph and self.router.graph.live),
+            "graph_parked": bool(self.router and self.router.graph and self.router.graph.parked),
             "graph_members": [r.name for r in self.router.graph.members] if self.router and self.router.graph else [],
             **(self.router.graph.stats.as_dict() if self.router and self.router.graph else {}),
         }

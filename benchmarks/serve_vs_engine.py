@@ -165,14 +165,14 @@ def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, ar
         h = asyncio.run(http_run(url, config.model_name, prompts, conc, k, args.max_tokens, handle, stream=conc == 1))
         # Let the server's compiled graphs reach their idle teardown: their polling readers
         # would otherwise take cores from the runs below.
-        time.sleep(config.experts.graph_idle_teardown_s + 1.0)
+        time.sleep(config.experts.graph_idle_park_s + 1.0)
         u = unit_run(config, prompts, conc, k, args.max_tokens)
-        time.sleep(config.experts.graph_idle_teardown_s + 1.0)
+        time.sleep(config.experts.graph_idle_park_s + 1.0)
         e = engine_run(config, prompts, conc, k, args.max_tokens)
         rep = {"http_tok_per_s": h["tok_per_s"], "unit_tok_per_s": u["tok_per_s"], "engine_tok_per_s": e["tok_per_s"],
                "ratio": h["tok_per_s"] / e["tok_per_s"], "unit_ratio": u["tok_per_s"] / e["tok_per_s"]}
         if args.compare_two_batch_overlap:  # the unit once more with the other setting: its gain
-            time.sleep(config.experts.graph_idle_teardown_s + 1.0)
+            time.sleep(config.experts.graph_idle_park_s + 1.0)
             x = config.experts
             other = msgspec.structs.replace(config, experts=msgspec.structs.replace(
                 x, two_batch_overlap=not x.two_batch_overlap))

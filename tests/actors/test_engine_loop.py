@@ -137,8 +137,8 @@ def test_transport_config_errors_name_the_field(tmp_path):
     cfg.write_text(base + "  transport: grpc\n")
     with pytest.raises(ConfigError, match=r"\$\.experts\.transport"):
         load_yaml(cfg, ServeConfig)
-    cfg.write_text(base + "  graph_idle_teardown_s: 0\n")
-    with pytest.raises(ConfigError, match=r"experts\.graph_idle_teardown_s"):
+    cfg.write_text(base + "  graph_idle_park_s: 0\n")
+    with pytest.raises(ConfigError, match=r"experts\.graph_idle_park_s"):
         load_yaml(cfg, ServeConfig)
     cfg.write_text(base + "  transport: actor_calls\n")
     assert load_yaml(cfg, ServeConfig).experts.transport == "actor_calls"

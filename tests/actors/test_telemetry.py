@@ -83,9 +83,8 @@ def _sum(samples: dict, name: str, **labels) -> float:
 def test_slow_expert_is_flagged_and_counted(served, otlp_receiver):
     url, _, handle = served
     slow_group = 1  # experts 2 and 3
-    # Let the previous test's traffic go idle: its compiled graphs are torn down after 2 s and a
-    # rebuild (CPU-heavy, it stalls the expert actors) needs 1 s of steady traffic, which this
-    # short request does not give; so every call here is a plain actor call, judged on its own.
+    # Let the previous test's traffic go idle (its compiled graphs park after 2 s): the slow
+    # group's calls are judged on their own, by the actor's end of compute on either transport.
     time.sleep(3.0)
     before = _samples(url)
     handle.set_expert_delay_ms.remote(slow_group, 150.0).result()

@@ -125,27 +125,44 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
 
 
-def test_idle_graph_is_torn_down_and_rebuilt_only_for_steady_traffic(served):
-    config = ExpertPoolConfig(experts_per_actor=8, graph_idle_teardown_s=0.5, graph_build_after_s=0.4)
+def test_an_idle_graph_is_parked_and_woken_by_the_next_layer_without_a_rebuild(served):
+    config = ExpertPoolConfig(experts_per_actor=3, graph_idle_park_s=0.5, graph_build_after_s=0.4)
     pool = ExpertPool(TARGET, 8, config, prefix=f"test-idle-{os.getpid()}", detached=False)
     pool.start()
     pool.wait_loaded(120)  # actors up and loaded: a loaded machine's actor start-up is no call timeout
     router = ExpertRouter(pool, torch.float32, graph=True)
+    pids = {r.name: ray.get(r.handle.info.remote())["pid"] for r in pool.all_replicas()}
     try:
         hidden, routing = _layer_inputs(4, seed=1)
-        router.execute(0, hidden, routing)
+        router.execute(0, hidden, routing)  # actor calls: no graph yet
         _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
-        _wait(lambda: not router.graph.live, 10, "the idle teardown")
-        assert router.graph.stats.idle_teardowns == 1 and router.graph.stats.builds == 1
-        # One request after idle is not steady traffic: it goes by actor calls and builds nothing.
+        _wait(lambda: router.graph.stats.parks == 1, 10, "the idle graph's parking")
+        assert router.graph.live and router.graph.stats.builds == 1
+        # Parked actors block instead of polling the channels: a fraction of a core, not most of one.
+        before = {name: _cpu_s(pid) for name, pid in pids.items()}
+        time.sleep(2.0)
+        used = {name: _cpu_s(pid) - before[name] for name, pid in pids.items()}
+        assert all(s < 0.3 for s in used.values()), used
+        # The next layer wakes it and goes through the graph at once: no rebuild, no actor calls.
+        calls, layers = router.num_call_layers, router.num_graph_layers
         torch.testing.assert_close(router.execute(0, hidden, routing), _expected(0, hidden, routing))
-        time.sleep(1.0)
-        assert router.graph.stats.builds == 1 and not router.graph.live
-        _wait(lambda: router.graph.live, 120, "the rebuilt graph", poke=lambda: router.execute(0, hidden, routing))
-        assert router.graph.stats.builds == 2
+        assert (router.num_call_layers, router.num_graph_layers) == (calls, layers + 1)
+        assert router.graph.stats.builds == 1 and router.graph.stats.rebuilds == 0
+        # A member killed while parked: the wake-up finds it, the layer goes by actor calls.
+        _wait(lambda: router.graph.stats.parks == 2, 10, "the second parking")
+        ray.kill(router.graph.members[0].handle)
+        torch.testing.assert_close(router.execute(0, hidden, routing), _expected(0, hidden, routing))
+        assert router.graph.stats.failures == 1 and router.num_call_layers == calls + 1
     finally:
         router.close()
         pool.shutdown()
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["compiled_graph", "actor_call"])
@@ -256,9 +273,10 @@ def test_an_idle_server_does_not_burn_a_core(served):
     url, config, handle = served
     body = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 8, "temperature": 0}
     assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
-    idle_after_s = config.experts.graph_idle_teardown_s + 1.0
+    idle_after_s = config.experts.graph_idle_park_s + 1.0
     time.sleep(idle_after_s)
-    assert not _engine_stats(handle)["transport"]["graph_live"]
+    transport = _engine_stats(handle)["transport"]
+    assert transport["graph_parked"] or not transport["graph_live"]  # live graphs are parked when idle
     before = _ray_worker_cpu_s()
     window_s = 60.0
     time.sleep(window_s)
