@@ -186,6 +186,8 @@ def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfi
         raw["engine"]["speculative_policy"] = args.speculative_policy
     if getattr(args, "pipelined_drafting", None) is not None:
         raw["engine"]["pipelined_drafting"] = args.pipelined_drafting
+    if getattr(args, "two_batch_overlap", None) is not None:
+        raw["experts"]["two_batch_overlap"] = args.two_batch_overlap
     try:
         return msgspec.convert(raw, ServeConfig)
     except (msgspec.ValidationError, ValueError) as e:
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="override engine.speculative_policy")
     parser.add_argument("--pipelined-drafting", action=argparse.BooleanOptionalAction, default=None,
                         help="override engine.pipelined_drafting (draft the next window during verification)")
+    parser.add_argument("--two-batch-overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="override experts.two_batch_overlap (interleave two micro-batches' layers)")
     parser.add_argument("--address", help="Ray cluster to deploy onto (default: $RAY_ADDRESS; unset: start a "
                                           "local Ray that listens on 127.0.0.1 only)")
     args = parser.parse_args(argv)
