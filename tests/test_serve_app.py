@@ -80,3 +80,19 @@ def test_command_line_overrides(argv, method, k, policy):
     config = serve_app.apply_overrides(load_yaml("configs/embedded.yaml", ServeConfig), ns)
     assert (config.engine.speculative_method, config.engine.num_speculative_tokens) == (method, k)
     assert config.engine.speculative_policy == policy
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_two_batch_overlap_override(value):
+    import argparse
+
+    from actors.config import ServeConfig
+    from engine.yaml_config import load_yaml
+
+    ns = argparse.Namespace(host=None, port=None, speculative_method=None, num_speculative_tokens=None,
+                            speculative_policy=None, two_batch_overlap=value)
+    config = serve_app.apply_overrides(load_yaml("configs/embedded.yaml", ServeConfig), ns)
+    assert config.experts.two_batch_overlap is value
+    assert serve_app.apply_overrides(config, argparse.Namespace(
+        host=None, port=None, speculative_method=None, num_speculative_tokens=None,
+        speculative_policy=None)).experts.two_batch_overlap is value  # unset: kept
