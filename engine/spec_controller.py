@@ -23,7 +23,8 @@ Whether to draft at all is then checked against what happened (an explore/exploi
 realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size bucket (decoding
 sequences rounded to a power of two), the emitted tokens per second the controller's own
 pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedGoodput`). Once
-both are measured they decide on versus off (same hysteresis) whatever the model predicts; the
+both are measured they decide on versus off in pure-decode steps (same hysteresis) whatever the
+model predicts (a step with a prefill chunk is the model's: its cost is mostly the chunk); the
 model still chooses what to draft when on. One explore step runs the other mode (off while on;
 the model's best drafting while off) every ``explore_interval_steps`` while the realised margin
 is thin (< ``thin_margin``) or unmeasured, a quarter as often otherwise, so the losing mode's
@@ -269,8 +270,10 @@ class SpeculationController:
         elif best > 0 and not self._on and rate[best] < rate[0] * (1 + h):
             best = 0  # stay off unless on is clearly better
         reason = "adaptive"
-        # Budgets and windows drafted ahead are costs the realised rates do not separate out.
-        if best_on and not tpot and not self._ready:
+        # Realised rates are of pure-decode steps; budgets and windows drafted ahead are costs
+        # they do not separate out.
+        pure_decode = num_base_tokens == len(ids) + len(fixed) and not num_prefills
+        if best_on and pure_decode and not tpot and not self._ready:
             best, reason = self._realised_choice(best, best_on, len(ids) + len(fixed))
         rows = order[:best] // self.max_k
         k = dict.fromkeys(ids, 0)
