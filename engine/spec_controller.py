@@ -28,7 +28,8 @@ model predicts (a step with a prefill chunk is the model's: its cost is mostly t
 model still chooses what to draft when on. One explore step runs the other mode (off while on;
 the model's best drafting while off) every ``explore_interval_steps`` while the realised margin
 is thin (< ``thin_margin``) or unmeasured, a quarter as often otherwise, so the losing mode's
-figure stays fresh. Steps where a drafter first caught up on a prompt are not counted.
+figure stays fresh. A drafter's catch-up on a prompt counts in the drafting figure: for short
+requests it is most of what drafting costs.
 On a shared CPU the model misses costs its features cannot see, and off steps are rare in its
 data, so a fit alone can keep speculation on where plain decoding is faster (issue 13).
 
@@ -410,18 +411,14 @@ class SpeculationController:
             self.activation.observe(num_target_tokens, distinct_experts)
         self.target_cost.observe([1.0, num_target_tokens, experts], target_s, robust)
 
-    def observe_goodput(self, num_emitted: int, step_s: float, max_catchup: int = 0) -> None:
+    def observe_goodput(self, num_emitted: int, step_s: float) -> None:
         """A pure-decode step (no prefill chunk) of the last plan emitted ``num_emitted`` tokens in
-        ``step_s`` seconds (the whole step: plan, draft, target, verify, emit); ``max_catchup``:
-        the most tokens one drafting sequence's drafter ingested first.
+        ``step_s`` seconds (the whole step: plan, draft, target, verify, emit, and a drafter's
+        catch-up on a prompt it had not seen: that is what drafting costs a short request).
 
-        Only the controller's own choices and explore steps count (warm-up and probe lengths are
-        not its policy), and not a step where a drafter caught up on more than a window (a
-        prompt): that one-off cost is the model's to amortise (``plan(remaining=...)``), and
-        counted here it would make drafting look worst exactly when it has just been off."""
+        Only the controller's own choices and explore steps count: warm-up and probe lengths are
+        not its policy."""
         if self.policy != "adaptive" or self.last.reason not in ("adaptive", "explore") or step_s <= 0:
-            return
-        if max_catchup > 2 * (self.max_k + 1):  # a few off steps' worth (an explore's) is normal
             return
         self._bucket(len(self.last.k)).observe(any(self.last.k.values()), num_emitted, step_s)
 
