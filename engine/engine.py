@@ -207,6 +207,9 @@ class LLMEngine:
                     t1 = time.perf_counter()
                 self._verify_and_emit(sched, drafts)
                 self._observe_costs(t1 - t0, time.perf_counter() - t1, drafts, sched)
+                if not sched.prefills:  # the realised goodput check compares pure-decode steps only
+                    self.controller.observe_goodput(self.stats.num_emitted_tokens - before[2],
+                                                    time.perf_counter() - start)
             except Exception:  # a failed step fails only the sequences in it; the engine keeps serving
                 log.exception("engine step failed; failing %d sequences", len(seqs))
                 drafts = {}

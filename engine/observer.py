@@ -29,7 +29,7 @@ class StepStats:
         num_emitted: output tokens emitted.
         k: largest draft length in the step (0 when nothing was drafted).
         duration_s: wall-clock seconds of the step.
-        k_policy: how draft lengths were chosen ("fixed", "warmup", "probe", "adaptive").
+        k_policy: how draft lengths were chosen ("fixed", "warmup", "probe", "explore", "adaptive").
         expected_tokens: tokens the speculation controller expected the step to emit.
         predicted_step_s: step seconds the controller predicted for its choice (0: no prediction).
     """

@@ -19,6 +19,20 @@ ones until they are observed). Hysteresis keeps speculation on or off unless the
 ``probe_interval_steps`` one probe step drafts another length (2, max, 0, max / 2 in turn), so the
 estimates cover the whole range and never go stale (speculation off included).
 
+Whether to draft at all is then checked against what happened (an explore/exploit check on
+realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size bucket (decoding
+sequences rounded to a power of two), the emitted tokens per second the controller's own
+pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedGoodput`). Once
+both are measured they decide on versus off in pure-decode steps (same hysteresis) whatever the
+model predicts (a step with a prefill chunk is the model's: its cost is mostly the chunk); the
+model still chooses what to draft when on. One explore step runs the other mode (off while on;
+the model's best drafting while off) every ``explore_interval_steps`` while the realised margin
+is thin (< ``thin_margin``) or unmeasured, a quarter as often otherwise, so the losing mode's
+figure stays fresh. A drafter's catch-up on a prompt counts in the drafting figure: for short
+requests it is most of what drafting costs.
+On a shared CPU the model misses costs its features cannot see, and off steps are rare in its
+data, so a fit alone can keep speculation on where plain decoding is faster (issue 13).
+
 Only draft *lengths* change, never how tokens are verified, so output stays lossless.
 """
 
@@ -29,7 +43,7 @@ from typing import Literal
 
 import numpy as np
 
-from engine.spec_cost import ExpertActivation, OnlineLinearCost
+from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedGoodput
 
 SpeculativePolicy = Literal["adaptive", "fixed"]
 
@@ -50,6 +64,12 @@ class ControllerSettings:
         sequence_decay, global_decay: per-observation decay of acceptance counts.
         calibration_rate: EMA weight (in log space, each step's deviation clipped to +-1) of a
             step's measured / predicted time in the per-mode calibration of predictions.
+        explore_interval_steps: while the realised on/off margin is thin (or not yet measured),
+            every this many decode steps one explore step runs the other mode; 4x as many
+            otherwise.
+        thin_margin: realised rates closer than this (relative) count as a thin margin.
+        goodput_decay: per-step decay of the realised goodput sums (0.99: ~100 steps' memory).
+        goodput_min_steps: decayed steps each mode needs before its realised rate is trusted.
     """
 
     warmup_steps: int = 8
@@ -60,6 +80,10 @@ class ControllerSettings:
     sequence_decay: float = 0.9
     global_decay: float = 0.995
     calibration_rate: float = 0.2
+    explore_interval_steps: int = 8
+    thin_margin: float = 0.2
+    goodput_decay: float = 0.99
+    goodput_min_steps: float = 2.0
 
 
 @dataclass
@@ -68,7 +92,7 @@ class Decision:
 
     Attributes:
         k: draft length per sequence id (0: not drafted).
-        reason: "fixed", "warmup", "probe" or "adaptive".
+        reason: "fixed", "warmup", "probe", "explore" or "adaptive".
         expected_tokens: predicted emitted tokens of the step.
         predicted_step_s: predicted step seconds (draft + target + verify).
     """
@@ -123,6 +147,8 @@ class SpeculationController:
         # common mode best, so the rarer one (probes) may be biased; this corrects the comparison.
         self.calibration = {False: 1.0, True: 1.0}
         self._ready: dict[str, int] = {}  # windows probably drafted ahead, for the next plan only
+        self._goodput: dict[int, RealisedGoodput] = {}  # per batch-size bucket
+        self._since_explore = 0  # the controller's own steps since the last explore step
         self.last = Decision()
 
     # ------------------------------------------------------------------ decisions
@@ -171,7 +197,8 @@ class SpeculationController:
             decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
                                       self._amortised(caps, catchup or {}, remaining or {}, glob), glob,
                                       tpot or {})
-            self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
+            if decision.reason == "adaptive":
+                self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
         decision.k.update(fixed)
         self._ready.clear()  # a window drafted ahead is good for the next step only
         self.last = decision
@@ -243,11 +270,43 @@ class SpeculationController:
             best = best_on  # stay on unless off is clearly better
         elif best > 0 and not self._on and rate[best] < rate[0] * (1 + h):
             best = 0  # stay off unless on is clearly better
+        reason = "adaptive"
+        # Realised rates are of pure-decode steps; budgets and windows drafted ahead are costs
+        # they do not separate out.
+        pure_decode = num_base_tokens == len(ids) + len(fixed) and not num_prefills
+        if best_on and pure_decode and not tpot and not self._ready:
+            best, reason = self._realised_choice(best, best_on, len(ids) + len(fixed))
         rows = order[:best] // self.max_k
         k = dict.fromkeys(ids, 0)
         for row in rows:
             k[ids[row]] += 1
-        return Decision(k, "adaptive", float(expected[best]), float(step_s[best]))
+        return Decision(k, reason, float(expected[best]), float(step_s[best]))
+
+    def _realised_choice(self, best: int, best_on: int, num_decodes: int) -> tuple[int, str]:
+        """The explore/exploit check on realised goodput: ``(draft total, reason)`` from the
+        model's choice ``best`` (0: off) and its best drafting total ``best_on``."""
+        goodput = self._bucket(num_decodes)
+        if not goodput.steps.any():  # nothing realised reported (yet): the model decides alone
+            return best, "adaptive"
+        rates = goodput.rates()
+        if rates is not None:  # measured: the realised rates decide on or off, with hysteresis
+            off, on = rates
+            h = self.settings.hysteresis
+            go_on = not off > on * (1 + h) if self._on else on > off * (1 + h)
+            best = (best or best_on) if go_on else 0
+        thin = rates is None or abs(rates[1] / rates[0] - 1) < self.settings.thin_margin
+        self._since_explore += 1
+        if self._since_explore >= self.settings.explore_interval_steps * (1 if thin else 4):
+            self._since_explore = 0
+            return (0 if best else best_on), "explore"  # the other mode, to keep its rate fresh
+        return best, "adaptive"
+
+    def _bucket(self, num_decodes: int) -> RealisedGoodput:
+        """The realised goodput of steps with about this many decoding sequences (power of two)."""
+        key = 1 << round(np.log2(max(num_decodes, 1)))
+        if key not in self._goodput:
+            self._goodput[key] = RealisedGoodput(self.settings.goodput_decay, self.settings.goodput_min_steps)
+        return self._goodput[key]
 
     def _within_tpot(self, ids: list[str], gains: np.ndarray, order: np.ndarray, step_s: np.ndarray,
                      tpot: dict[str, tuple[float, float]]) -> np.ndarray:
@@ -351,6 +410,17 @@ class SpeculationController:
         if distinct_experts is not None:
             self.activation.observe(num_target_tokens, distinct_experts)
         self.target_cost.observe([1.0, num_target_tokens, experts], target_s, robust)
+
+    def observe_goodput(self, num_emitted: int, step_s: float) -> None:
+        """A pure-decode step (no prefill chunk) of the last plan emitted ``num_emitted`` tokens in
+        ``step_s`` seconds (the whole step: plan, draft, target, verify, emit, and a drafter's
+        catch-up on a prompt it had not seen: that is what drafting costs a short request).
+
+        Only the controller's own choices and explore steps count: warm-up and probe lengths are
+        not its policy."""
+        if self.policy != "adaptive" or self.last.reason not in ("adaptive", "explore") or step_s <= 0:
+            return
+        self._bucket(len(self.last.k)).observe(any(self.last.k.values()), num_emitted, step_s)
 
     def release(self, seq_id: str) -> None:
         """Forget a finished sequence's estimates."""

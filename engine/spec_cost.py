@@ -14,6 +14,8 @@ Step time is learned from the steps the engine actually runs, never from constan
   ``p`` is fitted online from observed (tokens, distinct) pairs, so routing skew (hot experts)
   shows up as a smaller ``p`` than the uniform ``top_k / E``. This is the MoE effect on verify
   cost: more verified tokens touch more experts (Cascade; MoE-Spec), until all are active.
+- :class:`RealisedGoodput`: what the models predict, checked against what happened: emitted
+  tokens per second of the steps actually run, drafting and not, over the same recent stretch.
 """
 
 from __future__ import annotations
@@ -118,6 +120,40 @@ class ExpertActivation:
         if not self.num_experts:
             return np.zeros_like(num_tokens, dtype=np.float64)
         return self.num_layers * self.num_experts * (1.0 - (1.0 - self.p) ** num_tokens)
+
+
+class RealisedGoodput:
+    """Realised emitted tokens per second of recent steps, per mode (0: not drafting, 1: drafting).
+
+    Tokens and seconds are sums decayed by ``decay`` per observed step of *either* mode, so both
+    rates cover the same stretch of time (load drift on a shared machine hits both alike) even
+    though one mode runs far more often; the rate is their ratio (time-weighted, so one short
+    step cannot dominate).
+
+    Args:
+        decay: weight kept per observed step (0.99: a memory of ~100 steps).
+        min_steps: decayed step count each mode needs before :meth:`rates` trusts it.
+    """
+
+    def __init__(self, decay: float = 0.99, min_steps: float = 2.0) -> None:
+        self.tokens = np.zeros(2)
+        self.seconds = np.zeros(2)
+        self.steps = np.zeros(2)
+        self.decay, self.min_steps = decay, min_steps
+
+    def observe(self, drafting: bool, num_emitted: int, step_s: float) -> None:
+        """One step: ``num_emitted`` tokens in ``step_s`` seconds, drafting or not."""
+        for total in (self.tokens, self.seconds, self.steps):
+            total *= self.decay
+        self.tokens[int(drafting)] += num_emitted
+        self.seconds[int(drafting)] += step_s
+        self.steps[int(drafting)] += 1.0
+
+    def rates(self) -> np.ndarray | None:
+        """Tokens/s ``(2,)`` (not drafting, drafting), or None until both modes have enough steps."""
+        if (self.steps < self.min_steps).any() or (self.seconds <= 0).any():
+            return None
+        return self.tokens / self.seconds
 
 
 class ActivationMeter:

@@ -81,7 +81,7 @@ STEP_NUM_DRAFTED_TOKENS: Final = "specmoe.step.num_drafted_tokens"
 STEP_NUM_ACCEPTED_TOKENS: Final = "specmoe.step.num_accepted_tokens"
 STEP_NUM_EMITTED_TOKENS: Final = "specmoe.step.num_emitted_tokens"
 # The speculation controller's decision (engine.spec_controller): how k was chosen, what it expected.
-STEP_K_POLICY: Final = "specmoe.step.k_policy"  # fixed | warmup | probe | adaptive
+STEP_K_POLICY: Final = "specmoe.step.k_policy"  # fixed | warmup | probe | explore | adaptive
 STEP_EXPECTED_TOKENS: Final = "specmoe.step.expected_tokens"
 STEP_PREDICTED_DURATION_MS: Final = "specmoe.step.predicted_duration_ms"
 REQUEST_ID: Final = "specmoe.request.id"  # attribute of a step's link to a request's trace

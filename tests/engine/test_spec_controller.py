@@ -221,3 +221,43 @@ def test_a_tpot_budget_shortens_drafts_that_stretch_the_step_more_than_they_emit
     assert ctl.predict_step_s(2 + drafted, passes, drafted) <= 0.015 * hard_tokens
     behind = adaptive_plan(ctl, caps, tpot={"hard": (0.015, -0.02)})  # 20 ms behind: no step fits
     assert behind.k == {"easy": 0, "hard": 0}  # the shortest step misses the budget least
+
+
+def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers():
+    """The cost model sees cheap drafting (0.2 ms a pass, acceptance 0.9) and would draft, but the
+    steps as run say drafting steps take 100 ms end to end (a cost outside its features) against
+    10 ms for plain ones: the realised check turns speculation off, explore steps keep measuring
+    drafting, and once drafting steps take 12 ms again speculation comes back on."""
+    sim = SyntheticStep(d_pass=0.0002, c0=0.01)
+    caps = {f"s{i}": 8 for i in range(4)}
+    ctl = controller()
+    rng = np.random.default_rng(8)
+    sim.run(ctl, caps, dict.fromkeys(caps, 0.9), rng, 40)  # no realised figures: the model decides
+    assert sum(adaptive_plan(ctl, caps).k.values()) > 0
+
+    def drive(steps: int, drafting_step_s: float) -> list:
+        decisions = []
+        for _ in range(steps):
+            decision = ctl.plan(caps, len(caps))
+            decisions.append(decision)
+            emitted = len(caps)
+            for sid, k in decision.k.items():
+                accepted = int(np.argmin(np.append(rng.random(k) < 0.9, False)))  # run of accepts
+                ctl.observe_acceptance(sid, k, accepted)
+                emitted += accepted
+            drafted = sum(decision.k.values())
+            # The model keeps learning the synthetic (cheap) costs; the realised step says otherwise.
+            ctl.observe_step(sim.d[1] * max(decision.k.values()) if drafted else 0.0, max(decision.k.values()),
+                             drafted, sim.c[0], len(caps) + drafted, None)
+            ctl.observe_goodput(emitted, drafting_step_s if drafted else 0.010)
+        return decisions
+
+    slow = drive(200, 0.100)
+    own = [d for d in slow[100:] if d.reason == "adaptive"]
+    assert own and all(sum(d.k.values()) == 0 for d in own)
+    explored = [d for d in slow[100:] if d.reason == "explore"]
+    assert explored and all(sum(d.k.values()) > 0 for d in explored)  # drafting, to re-measure it
+    fast = drive(300, 0.012)
+    own = [d for d in fast[200:] if d.reason == "adaptive"]
+    assert own and all(sum(d.k.values()) > 0 for d in own)
+    assert any(sum(d.k.values()) == 0 for d in fast[200:] if d.reason == "explore")  # off, re-measured
