@@ -54,7 +54,12 @@ class ForwardBatch:
         for k in range(1, parts):  # each cut where the tokens before it are nearest k / parts of all
             cuts = range(bounds[-1] + 1, self.num_seqs - (parts - k) + 1)  # a sequence left per part
             bounds.append(min(cuts, key=lambda j: abs(cum[j - 1] - cum[-1] * k / parts)))
-        bounds.append(self.num_seqs)
+        return self.split_at(bounds[1:])
+
+    def split_at(self, cuts: list[int]) -> list[ForwardBatch]:
+        """Contiguous sub-batches ending before each sequence index in ``cuts`` (ascending, in
+        ``(0, num_seqs)``) and at the end; views or small device ops, no device sync."""
+        bounds = [0, *cuts, self.num_seqs]
         counts = self.logit_counts or [1] * self.num_seqs
         out, tok0, logit0 = [], 0, 0
         for a, b in zip(bounds, bounds[1:]):

@@ -90,6 +90,57 @@ class AttentionPlan:
     uniform: bool
 
 
+@dataclass
+class GroupedPlan:
+    """Attention of one forward in contiguous groups of sequences (:func:`plan_grouped_attention`).
+
+    Attributes:
+        groups: per group, its token rows (a slice of the batch's flat tokens), its sub-batch and
+            that sub-batch's :class:`AttentionPlan`.
+        max_kv: longest sequence after this pass (RoPE tables).
+    """
+
+    groups: list[tuple[slice, ForwardBatch, AttentionPlan]]
+    max_kv: int
+
+
+def plan_grouped_attention(batch: ForwardBatch, sliding_window: int | None = None,
+                           max_padding: float = 1.5, min_waste_rows: int = 256) -> GroupedPlan:
+    """Plans for attention in groups, so short queries are not padded to a long one's length.
+
+    Attention runs over ``(num_seqs, max_q)`` padded queries (:func:`attention`): one 512-token
+    prefill chunk beside seven 7-token verifications would cost 8 x 512 query rows. Consecutive
+    sequences share a group while its padded rows stay within ``max_padding`` x its real tokens
+    or waste fewer than ``min_waste_rows`` (a call costs more than a few padded rows); each group
+    is one attention call (the engine orders prefills before decodes, so a mixed step
+    is usually two groups). Every query sees exactly what it would in one call.
+    """
+    cuts, start = [], 0
+    for b in range(1, batch.num_seqs):
+        lens = batch.query_lens[start:b + 1]
+        padded, real = len(lens) * max(lens), sum(lens)
+        if padded > max_padding * real and padded - real >= min_waste_rows:
+            cuts.append(b)
+            start = b
+    parts = batch.split_at(cuts) if cuts else [batch]
+    groups, t = [], 0
+    for part in parts:
+        n = int(part.input_ids.shape[0])
+        groups.append((slice(t, t + n), part, plan_attention(part, sliding_window)))
+        t += n
+    return GroupedPlan(groups, max(batch.seq_lens))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, plan: GroupedPlan) -> torch.Tensor:
+    """:func:`attention` of every group of ``plan`` (same shapes as :func:`attention`)."""
+    if len(plan.groups) == 1:
+        _, part, p = plan.groups[0]
+        return attention(q, k, v, k_cache, v_cache, part, p)
+    return torch.cat([attention(q[rows], k[rows], v[rows], k_cache, v_cache, part, p)
+                      for rows, part, p in plan.groups])
+
+
 def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> AttentionPlan:
     """The :class:`AttentionPlan` of ``batch`` (on the batch tensors' device); every decision on
     the host, from the batch's lengths."""

@@ -19,7 +19,7 @@ from engine.expert_predictor import PreGatePredictor
 from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
 from engine.model.dense import DenseOps
-from engine.model.layers import Rotary, attention, plan_attention, rms_norm
+from engine.model.layers import Rotary, grouped_attention, plan_grouped_attention, rms_norm
 from engine.model.moe import ExpertExecutor, submit_experts
 from engine.model.names import layer_prefix, mlp_names, moe_prefix, router_name
 from kernels.expert_ffn import swiglu
@@ -162,7 +162,7 @@ class Transformer:
         are out (submitted, not yet waited for) and returns ``(logits, features)``."""
         x = F.embedding(batch.input_ids, self.embed)  # (num_tokens, hidden)
         captured: dict[int, torch.Tensor] = {}
-        plan = plan_attention(batch, self.config.sliding_window)  # the same for every layer
+        plan = plan_grouped_attention(batch, self.config.sliding_window)  # the same for every layer
         cos, sin = self.rotary.cos_sin(batch.positions, plan.max_kv)
         c, dense = self.config, self.dense
         for i, layer in enumerate(self.layers):
@@ -171,7 +171,7 @@ class Transformer:
             a = layer.attn
             q, k, v = dense.attention_inputs(x, layer.input_norm, a.wqkv, a.bqkv, a.qk_norm, cos, sin,
                                              c.rms_norm_eps, c.num_heads, c.num_kv_heads)
-            out = attention(q, k, v, kv.k[i], kv.v[i], batch, plan)
+            out = grouped_attention(q, k, v, kv.k[i], kv.v[i], plan)
             x, h = dense.attention_output(out, x, a.wo, a.bo, layer.post_attn_norm, c.rms_norm_eps)
             if layer.router is None:
                 x = x + swiglu(h, *layer.mlp)
