@@ -113,6 +113,11 @@ class ActorGraph:
         return self._dag is not None
 
     @property
+    def inflight(self) -> int:
+        """Executions submitted and not yet waited for."""
+        return self._inflight
+
+    @property
     def parked(self) -> bool:
         """Live, and idle long enough that its actors block in a parking execution."""
         return self._parking is not None

@@ -89,7 +89,6 @@ class ExpertRouter:
         self.prefetch_enabled = pool.config.offload_settings() is not None and pool.config.prefetch
         self._hint: tuple[int, list[int]] | None = None
         self.overlap = pool.config.two_batch_overlap
-        self._inflight = 0  # graph executions submitted and not yet finished
         self._actor_free_s: dict[int, float] = {}  # when each actor finished our latest call (wall s)
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
@@ -136,7 +135,7 @@ class ExpertRouter:
         """:meth:`run_layer` up to the graph's submission; the returned function finishes it."""
         w = weights.detach().to("cpu", torch.float32)  # explicit host copy: the wire boundary
         hint, self._hint = self._hint, None
-        if not self._inflight:  # rebuilds and rebalancing wait until no execution is out
+        if self.graph is None or not self.graph.inflight:  # rebuilds and rebalancing wait until none is out
             self._between_dispatches()
         members = self._live_members()
         if members is not None and not self.graph.fits(rows.nbytes + w.nbytes):
@@ -152,9 +151,8 @@ class ExpertRouter:
         except Exception as e:
             self.telemetry.end_dispatch(ctx, layer, expert_counts, records, f"{type(e).__name__}: {e}")
             raise
-        if execution is not None:
-            self.num_overlapped_layers += self._inflight > 0  # another micro-batch's experts are still out
-            self._inflight += 1
+        if execution is not None:  # counted after its own submission: another micro-batch's is still out
+            self.num_overlapped_layers += self.graph.inflight > 1
 
         def finish() -> torch.Tensor:
             error = None
@@ -172,7 +170,6 @@ class ExpertRouter:
                 error = f"{type(e).__name__}: {e}"
                 raise
             finally:
-                self._inflight -= execution is not None
                 self.telemetry.end_dispatch(ctx, layer, expert_counts, records, error)
             out = torch.empty_like(rows)
             for c, result in zip(calls, results):

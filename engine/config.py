@@ -75,18 +75,28 @@ def load_model_config(checkpoint_dir: str | Path) -> ModelConfig:
         ConfigError: unknown architecture (the message lists the supported ones) or a missing or
             unsupported field (named).
     """
-    from engine.errors import CheckpointError
-
-    path = Path(checkpoint_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no config.json (is {checkpoint_dir!s} a Hugging Face checkpoint directory?)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    raw = read_config_json(Path(checkpoint_dir), "a Hugging Face checkpoint directory")
     gen_path = Path(checkpoint_dir) / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return parse_hf_config(raw, gen)
+
+
+def read_config_json(directory: Path, kind: str) -> dict[str, Any]:
+    """``directory/config.json`` as a dict.
+
+    Raises:
+        CheckpointError: the file is missing (the message asks whether ``directory`` is ``kind``)
+            or is not JSON.
+    """
+    from engine.errors import CheckpointError
+
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no config.json (is {directory!s} {kind}?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
 
 
 def parse_hf_config(raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:

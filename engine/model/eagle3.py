@@ -23,7 +23,6 @@ prefix are accepted too).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.checkpoint import CheckpointReader
-from engine.config import ModelConfig, _field_getter, _rope_theta
+from engine.config import ModelConfig, _field_getter, _rope_theta, read_config_json
 from engine.errors import CheckpointError, ConfigError
 from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
@@ -69,13 +68,8 @@ def load_eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
         ConfigError: wrong architecture, a missing field, or a head that does not fit the target
             (vocabulary, hidden size, layer ids); the message names the field.
     """
+    raw = read_config_json(path, "an EAGLE-3 head directory")
     file = path / "config.json"
-    if not file.is_file():
-        raise CheckpointError(f"{file}: no config.json (is {str(path)!r} an EAGLE-3 head directory?)")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
     arch = (raw.get("architectures") or [None])[0]
     if arch not in EAGLE3_ARCHITECTURES:
         raise ConfigError(f"{file}: config.architectures: {arch!r} is not an EAGLE-3 head "

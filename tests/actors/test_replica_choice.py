@@ -75,6 +75,8 @@ class FakeGraph:
     def fits(self, payload_bytes: int) -> bool:
         return True  # these layers are small
 
+    inflight = 0  # executions run at wait: none is ever out between two layers
+
     def submit(self, request):
         return request  # run at wait: the members' order is what the test checks
 
