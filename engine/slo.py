@@ -106,9 +106,19 @@ class SLOPolicy:
         return lambda tokens: self.controller.predict_step_s(tokens, passes, drafted)
 
     def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
-        """Prefill tokens this step may take so the running decodes keep their TPOT budgets."""
-        budgets = [slo.tpot_ms for s in decodes
-                   if (slo := self.config.slo_for(s.params.slo_class)[1]) is not None and slo.tpot_ms]
+        """Prefill tokens this step may take so the running decodes keep their TPOT budgets.
+
+        A decode's budget for the step is its TPOT budget times the tokens it is expected to emit
+        in it (:meth:`SpeculationController.expected_tokens` at its last draft length): a step that
+        verifies k drafts emits 1 + the expected accepted tokens, so holding it to one token's
+        budget would starve the prefills of a speculating batch (the same per-token accounting as
+        the controller's own TPOT check)."""
+        budgets = []
+        for s in decodes:
+            slo = self.config.slo_for(s.params.slo_class)[1]
+            if slo is not None and slo.tpot_ms:
+                k = self.controller.last.k.get(s.seq_id, 0)
+                budgets.append(slo.tpot_ms * self.controller.expected_tokens(s.seq_id, k))
         if not budgets:
             return None
         return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
@@ -155,12 +165,13 @@ def wait_estimate_s(tokens_ahead: int, prefill_tokens_per_step: int, decode_toke
     return full_s + (predict_step_s(decode_tokens + rest) if rest else 0.0)
 
 
-def prefill_token_limit(tpot_budgets_ms: list[float], decode_tokens: int, max_tokens: int,
+def prefill_token_limit(step_budgets_ms: list[float], decode_tokens: int, max_tokens: int,
                         predict_step_s: Callable[[int], float]) -> int | None:
-    """Prefill tokens a step may add and still end within the tightest running TPOT budget.
+    """Prefill tokens a step may add and still end within the tightest running decode's budget.
 
     Args:
-        tpot_budgets_ms: TPOT budgets of the running decodes (empty: no limit).
+        step_budgets_ms: per running decode, the step time its TPOT budget allows, ms (TPOT budget
+            x the tokens it is expected to emit this step; empty: no limit).
         decode_tokens: target tokens of the step's decodes (with their drafts).
         max_tokens: the step's token budget; the answer is at most ``max_tokens - decode_tokens``.
         predict_step_s: step seconds for a number of target tokens (non-decreasing; learned online).
@@ -169,9 +180,9 @@ def prefill_token_limit(tpot_budgets_ms: list[float], decode_tokens: int, max_to
         The largest token count ``c`` with ``predict_step_s(decode_tokens + c)`` within budget (by
         bisection), or None when nothing limits it (no budgets, or no step cost learned yet).
     """
-    if not tpot_budgets_ms or predict_step_s(max_tokens) <= 0:
+    if not step_budgets_ms or predict_step_s(max_tokens) <= 0:
         return None
-    budget_s = min(tpot_budgets_ms) / 1e3
+    budget_s = min(step_budgets_ms) / 1e3
     lo, hi = 0, max(0, max_tokens - decode_tokens)
     if predict_step_s(decode_tokens + hi) <= budget_s:
         return hi

@@ -119,6 +119,11 @@ class _Acceptance:
         self.accepted[:num_accepted] += 1.0
 
 
+def _expected_tokens(acceptance: np.ndarray, k: int) -> float:
+    """``1 + sum_{i<=k} prod_{j<=i} a_j`` for per-position acceptance ``a`` ``(max_k,)``."""
+    return 1.0 + float(np.cumprod(acceptance[:k]).sum()) if k > 0 else 1.0
+
+
 class SpeculationController:
     """Chooses each decoding sequence's draft length per step.
 
@@ -222,7 +227,7 @@ class SpeculationController:
             c = catchup.get(sid, 0)
             if not c:
                 continue
-            per_step = 1.0 + float(np.cumprod(self._sequence_acceptance(sid, glob))[: max(caps[sid], 1)].sum())
+            per_step = _expected_tokens(self._sequence_acceptance(sid, glob), max(caps[sid], 1))
             backlog = max(0.0, c - per_step)
             left = remaining.get(sid)
             share = 1.0 if left is None else min(1.0, per_step / max(left, 1))
@@ -329,6 +334,12 @@ class SpeculationController:
         target = self.target_cost.predict(np.stack([[1.0], tokens, self.activation.predict(tokens)], 1))[0]
         draft = self.draft_cost.predict(np.array([[1.0, passes, num_drafted, 0.0]]))[0] if num_drafted else 0.0
         return float(target + draft) * self.calibration[num_drafted > 0]
+
+    def expected_tokens(self, seq_id: str, k: int) -> float:
+        """Tokens a step verifying ``k`` drafts of ``seq_id`` is expected to emit:
+        ``1 + sum_{i<=k} prod_{j<=i} a_j`` (Leviathan et al. 2023, eq. 1, with per-position
+        acceptance estimates ``a``); 1.0 for k = 0."""
+        return _expected_tokens(self.acceptance(seq_id), k)
 
     def acceptance(self, seq_id: str | None = None) -> np.ndarray:
         """Estimated acceptance per draft position ``(max_k,)`` in [0, 1]: the server-wide one, or

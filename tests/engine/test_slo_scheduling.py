@@ -192,3 +192,34 @@ def test_wait_estimate_is_full_steps_then_the_remainder():
     assert wait_estimate_s(130, 64, 10, linear) == pytest.approx(2 * linear(74) + linear(12))
     assert wait_estimate_s(128, 64, 10, linear) == pytest.approx(2 * linear(74))
     assert wait_estimate_s(10, 0, 10, linear) == float("inf")
+
+
+def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to_emit():
+    """TPOT is per output token: a decode verifying k drafts emits 1 + E[accepted] tokens in the
+    step, so the step may take that many TPOT budgets (one budget starved the prefills of a
+    speculating batch: 2-3 of 8 requests running at HTTP concurrency 8, the rest waiting)."""
+    from types import SimpleNamespace
+
+    from engine.scheduler import Scheduler
+    from engine.slo import SLOPolicy
+    from engine.spec_controller import Decision, SpeculationController
+
+    controller = SpeculationController(max_k=4)
+    for _ in range(50):  # "spec" accepts about 3 of 4 drafts
+        controller.observe_acceptance("spec", 4, 3)
+    controller.last = Decision(k={"spec": 4, "plain": 0})
+    expected = controller.expected_tokens("spec", 4)
+    acc = controller.acceptance("spec")
+    assert expected == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2] + acc.prod())
+    assert 3.0 < expected < 4.0 and controller.expected_tokens("spec", 0) == 1.0
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={"i": SLOClass(tpot_ms=20.0)},
+                                      default_slo_class="i"))
+    policy = SLOPolicy(sched, controller)
+    linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    controller.predict_step_s = linear
+    spec = SimpleNamespace(seq_id="spec", params=SamplingParams(max_tokens=8))
+    plain = SimpleNamespace(seq_id="plain", params=SamplingParams(max_tokens=8))
+    # alone, the speculating decode allows 20 ms x E tokens; beside a plain decode, 20 ms binds
+    assert policy.prefill_limit([spec], 5) == prefill_token_limit([20.0 * expected], 5, 4096, linear)
+    assert policy.prefill_limit([spec], 5) > 4 * prefill_token_limit([20.0], 5, 4096, linear)  # 744 vs 145
+    assert policy.prefill_limit([spec, plain], 6) == prefill_token_limit([20.0], 6, 4096, linear) == 144
