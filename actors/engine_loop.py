@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from actors.stream_items import error_item, step_item, unavailable_item
+from actors.stream_items import error_item, ship, step_item, unavailable_item
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -74,10 +74,11 @@ class EngineLoop:
                 continue
             finally:
                 self._step_started = None
+            now_s = time.monotonic()
             for out in outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:
-                    queue.put_nowait(step_item(out))
+                    queue.put_nowait(step_item(out, now_s))
             self.on_change()
 
     def _apply_pending(self) -> None:
@@ -97,17 +98,22 @@ class EngineLoop:
         self.on_change()  # gauges move on add/abort too
 
     async def generate(self, prompt_token_ids: list[int], params: dict, prompt: str | None = None,
-                       request_id: str | None = None, carrier: dict | None = None) -> AsyncIterator[dict]:
+                       request_id: str | None = None, carrier: dict | None = None,
+                       stream: bool = True) -> AsyncIterator[dict]:
         """Stream engine outputs for one request.
 
         Args:
             prompt_token_ids: the prompt's token ids; params: :class:`SamplingParams` as builtins.
+            stream: the client streams. If not, only the first item with tokens (the ingress's
+                TTFT) and then the finished one are sent, the steps between merged into it.
 
         Yields:
-            ``{"type": "accepted"}`` or an error item (HTTP status + message) first; then one item
-            per engine step that advanced the request (``actors.stream_items.step_item``), the last
-            one finished. Closing the stream early (client gone) aborts the request and frees its
-            KV slots within one step.
+            ``{"type": "accepted"}`` or an error item (HTTP status + message) first; then step
+            items (``actors.stream_items.step_item``), the last one finished. Steps that queued
+            up while the consumer was busy go as one merged item (``merge_step_items``): each item
+            crossing the Serve hop costs this replica's event loop and the ingress CPU that the
+            engine thread needs. Closing the stream early (client gone) aborts the request and
+            frees its KV slots within one step.
         """
         rid = request_id or f"req-{next(self._ids)}"
         if self.draining:
@@ -129,10 +135,30 @@ class EngineLoop:
         finished = False
         try:
             yield {"type": "accepted", "request_id": rid}
+            held: list[dict] = []  # step items not sent yet
+            first_sent = False  # the first item with tokens has gone (TTFT)
             while not finished:
-                item = await queue.get()
-                finished = item.get("finished", True)
-                yield item
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for item in batch:
+                    finished = item.get("finished", True)
+                    if item["type"] != "step":
+                        if held:
+                            yield ship(held, time.monotonic())
+                            held = []
+                        yield item
+                    else:
+                        held.append(item)
+                        if not first_sent and any(c["new_token_ids"] for c in item["choices"]):
+                            first_sent = True
+                            yield ship(held, time.monotonic())
+                            held = []
+                    if finished:
+                        break
+                if held and (stream or finished):
+                    yield ship(held, time.monotonic())
+                    held = []
         finally:
             self._streams.pop(rid, None)
             self.carriers.pop(rid, None)

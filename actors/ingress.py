@@ -233,7 +233,7 @@ class IngressServer:
             tel.finish(503, rid)
             return failed.response()
         deadline = tel_start_s + self.config.request_timeout_s
-        stream = self._submit(ids, params, prompt_text, rid, tel.trace.carrier())
+        stream = self._submit(ids, params, prompt_text, rid, tel.trace.carrier(), req.stream)
         try:
             first = await self._next(stream, deadline)
             if first["type"] == "error":
@@ -269,12 +269,14 @@ class IngressServer:
             tel.finish(status, builder.id)
         return JSONResponse(builder.final())
 
-    def _submit(self, ids: list[int], params, prompt_text: str | None, rid: str, carrier: dict | None):
+    def _submit(self, ids: list[int], params, prompt_text: str | None, rid: str, carrier: dict | None,
+                stream: bool):
         """The request's verifier stream; it fails over to another verifier replica when its own
-        dies (``actors/failover.py``)."""
+        dies (``actors/failover.py``). A request the client does not stream gets its first tokens
+        and then the rest in one item (``stream=False``, see ``EngineLoop.generate``)."""
         def submit(prompt_ids: list[int], wire_params: dict):
             text = prompt_text if len(prompt_ids) == len(ids) else None  # a resubmission has no prompt text
-            return self._verifier_stream.generate.remote(prompt_ids, wire_params, text, rid, carrier)
+            return self._verifier_stream.generate.remote(prompt_ids, wire_params, text, rid, carrier, stream)
 
         return ResumableStream(submit, ids, msgspec.to_builtins(params), _verifier_gone)
 

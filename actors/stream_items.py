@@ -19,8 +19,11 @@ def unavailable_item(message: str) -> dict:
     return {"type": "error", "status": 503, "message": message, "finished": True}
 
 
-def step_item(out: RequestOutput) -> dict:
-    """What one engine step added to a request, plus its totals when it finished."""
+def step_item(out: RequestOutput, at_s: float | None = None) -> dict:
+    """What one engine step added to a request, plus its totals when it finished.
+
+    ``at_s`` (monotonic s, when the step emitted it) lets :func:`merge_step_items` keep each
+    step's timing once items are merged."""
     choices = []
     for c in out.outputs:
         choices.append({
@@ -36,6 +39,8 @@ def step_item(out: RequestOutput) -> dict:
             "num_tokens": len(c.token_ids),
         })
     item = {"type": "step", "finished": out.finished, "choices": choices}
+    if at_s is not None:
+        item["at_s"] = at_s
     if out.finished:
         stats = out.spec_stats
         m = out.metrics
@@ -43,4 +48,45 @@ def step_item(out: RequestOutput) -> dict:
                          "completion_tokens": sum(len(c.token_ids) for c in out.outputs)}
         item["spec"] = stats.as_dict()
         item["queue_time_s"] = (m.first_scheduled_time_s - m.arrival_time_s) if m and m.first_scheduled_time_s else None
+    return item
+
+
+def merge_step_items(items: list[dict]) -> dict:
+    """Consecutive step items of one request as one: per choice the texts, token ids and
+    logprobs concatenated and the last finish reason and count; the last item's totals.
+
+    Each part's emission time and token count go along as ``steps``, ``[[at_s, tokens], ...]``
+    (monotonic s), so the ingress still records every step's inter-token latency (see
+    :func:`ship`)."""
+    merged = {"type": "step", "finished": items[-1]["finished"], "choices": [], "steps": []}
+    by_index: dict[int, dict] = {}
+    for item in items:
+        merged["steps"] += item.get("steps") or [[item.get("at_s"), sum(len(c["new_token_ids"]) for c in item["choices"])]]
+        for c in item["choices"]:
+            into = by_index.get(c["index"])
+            if into is None:
+                into = by_index[c["index"]] = {**c, "new_token_ids": list(c["new_token_ids"]),
+                                               "new_logprobs": None if c["new_logprobs"] is None else list(c["new_logprobs"])}
+                merged["choices"].append(into)
+                continue
+            into["new_text"] += c["new_text"]
+            into["new_token_ids"] += c["new_token_ids"]
+            if c["new_logprobs"] is not None:
+                into["new_logprobs"] = (into["new_logprobs"] or []) + c["new_logprobs"]
+            into.update(finish_reason=c["finish_reason"], stop_reason=c["stop_reason"], num_tokens=c["num_tokens"])
+    for key in ("usage", "spec", "queue_time_s"):
+        if key in items[-1]:
+            merged[key] = items[-1][key]
+    return merged
+
+
+def ship(items: list[dict], now_s: float) -> dict:
+    """Consecutive step items as the one item that crosses to the ingress: merged when more than
+    one, their emission times as ages (s before ``now_s``: they mean the same on another node's
+    clock), ``steps: [[age_s, tokens], ...]``; a lone item's time is dropped (it is now)."""
+    if len(items) == 1:
+        items[0].pop("at_s", None)
+        return items[0]
+    item = merge_step_items(items)
+    item["steps"] = [[max(0.0, now_s - (now_s if t is None else t)), n] for t, n in item["steps"]]
     return item

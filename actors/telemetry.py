@@ -230,17 +230,21 @@ class RequestTelemetry:
         self.done = False
 
     def on_item(self, item: dict) -> None:
-        """One verifier stream item (see ``actors/stream_items.py``)."""
+        """One verifier stream item (see ``actors/stream_items.py``); a merged one's steps are
+        recorded at the times they were emitted (``steps``: ``[[age_s, tokens], ...]``)."""
         try:
             import time
 
-            n = sum(len(c["new_token_ids"]) for c in item["choices"])
-            if n:
+            now_s = time.monotonic()
+            steps = item.get("steps") or [[0.0, sum(len(c["new_token_ids"]) for c in item["choices"])]]
+            for age_s, n in steps:
+                if not n:
+                    continue
                 if self.num_tokens == 0:
-                    self.trace.first_token(time.monotonic() - self.arrival_s)
+                    self.trace.first_token(now_s - age_s - self.arrival_s)
                 self.num_tokens += n
                 if self.tracker is not None:
-                    self.tracker.on_tokens(n)
+                    self.tracker.on_tokens(n, now_s - age_s)
             for c in item["choices"]:
                 if c["finish_reason"] is not None:
                     self.reasons[c["index"]] = c["finish_reason"]

@@ -165,13 +165,14 @@ class VerifierServer:
                          e.speculative_policy)
 
     async def generate(self, prompt_token_ids: list[int], params: dict, prompt: str | None = None,
-                       request_id: str | None = None, carrier: dict | None = None) -> AsyncIterator[dict]:
+                       request_id: str | None = None, carrier: dict | None = None,
+                       stream: bool = True) -> AsyncIterator[dict]:
         """Stream engine outputs for one request (see :meth:`EngineLoop.generate`)."""
         if self.draining:  # shutting down: no engine build for a request that cannot finish
             yield unavailable_item(SHUTTING_DOWN)
             return
         await self._ensure_started()
-        async for item in self.loop.generate(prompt_token_ids, params, prompt, request_id, carrier):
+        async for item in self.loop.generate(prompt_token_ids, params, prompt, request_id, carrier, stream):
             yield item
 
     def drain(self) -> int:

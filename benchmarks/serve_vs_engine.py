@@ -3,7 +3,11 @@
     python benchmarks/serve_vs_engine.py --num-prompts 24 --max-tokens 64
 
 Starts the embedded app (configs/embedded.yaml, on a free port) and, in the same run, the
-in-process engine on the same checkpoints. Greedy, EOS ignored, so both emit the same tokens.
+in-process engine on the same checkpoints with the same engine settings: speculation and, by
+default, the server's scheduler (chunked prefill, SLO classes, token budget; ``max_num_seqs`` =
+the concurrency); ``--in-process-scheduler default`` gives the in-process side the engine's
+defaults instead, as runs before 2026-12-01 (late) did. Greedy, EOS ignored, so both emit the
+same tokens.
 Concurrency 1 and 8; speculation on (k from the config) and off (per-request k = 0). The ratio
 HTTP / in-process is the cost of the distributed path; a third run drives the serving unit (expert
 and draft actors over the configured transport) from this process without Serve or HTTP
@@ -87,21 +91,51 @@ async def _graphs_live(handle) -> bool:
     return stats["transport"]["graph_live"] and stats["draft_transport"].get("live", True)
 
 
-def engine_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: int) -> dict:
-    from engine import LLM, SamplingParams
+def _scheduler(config, concurrency: int, which: str):
+    """The in-process side's scheduler: the server's (``engine.scheduler``: chunked prefill, SLO
+    classes, token budget) with ``concurrency`` sequences at most, so both sides batch alike and
+    the ratio is the distributed path's cost; or ``default``, the engine's defaults (no SLO
+    classes, a 16384-token budget), as earlier runs of this benchmark used."""
+    from engine.scheduler import SchedulerConfig
+
+    if which == "default":
+        return SchedulerConfig(max_num_seqs=concurrency, max_num_batched_tokens=16384, max_waiting=1 << 20)
+    return msgspec.structs.replace(config.engine.scheduler, max_num_seqs=concurrency, max_waiting=1 << 20)
+
+
+def _drive(engine, ids: list[list[int]], max_tokens: int, tag: str) -> int:
+    """Add every prompt (the scheduler admits ``max_num_seqs`` at a time), step to the end;
+    returns the output tokens."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt_ids in enumerate(ids):
+        engine.add_request(f"{tag}-{i}", prompt_ids, params)
+    n = 0
+    while engine.has_unfinished_requests():
+        n += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return n
+
+
+def engine_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: int,
+               scheduler: str = "server") -> dict:
+    from engine.args import EngineArgs
+    from engine.llm import build_engine
 
     e = config.engine
-    llm = LLM(e.model, draft_model=e.draft_model if k else None, speculative_method=e.speculative_method if k else None,
-              num_speculative_tokens=k, max_num_seqs=concurrency, max_num_batched_tokens=16384)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:concurrency], params)
+    engine = build_engine(EngineArgs(model=e.model, draft_model=e.draft_model if k else None,
+                                     speculative_method=e.speculative_method if k else None,
+                                     num_speculative_tokens=k, speculative_policy=e.speculative_policy,
+                                     scheduler=_scheduler(config, concurrency, scheduler)))
+    ids = [engine.target.tokenizer.encode(p).ids for p in prompts]
+    _drive(engine, ids[:concurrency], max_tokens, "warm")
     with Timer() as t:
-        outs = llm.generate(prompts, params)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        tokens = _drive(engine, ids, max_tokens, "run")
     return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
 
 
-def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: int) -> dict:
+def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: int,
+             scheduler: str = "server") -> dict:
     """The serving unit without Serve or HTTP: this process drives an engine whose experts and
     drafter are actors reached by the configured transport (what a verifier replica runs), so
     HTTP / unit is the cost of Serve and the ingress, and unit / in-process the cost of the hops."""
@@ -110,11 +144,9 @@ def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: i
     from actors.draft_server import DraftActorSpec, RemoteDrafter
     from actors.expert_pool import ExpertPool
     from actors.expert_router import ExpertRouter
-    from engine import SamplingParams
     from engine.drafters.base import NoneDrafter
     from engine.engine import LLMEngine
     from engine.loader import load_model
-    from engine.scheduler import SchedulerConfig
 
     e, x = config.engine, config.experts
     graph = x.transport == "compiled_graph"
@@ -125,28 +157,19 @@ def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: i
                                            f"bench-unit-draft-{concurrency}-{k}", x.namespace),
                             graph_config=x if graph else None) if k else None
     target = load_model(e.model, e.dtype, e.device, experts=router)
-    sched = SchedulerConfig(max_num_seqs=concurrency, max_num_batched_tokens=16384, max_waiting=1 << 20)
-    engine = LLMEngine(target, drafter or NoneDrafter(), k, sched, target.config.max_position_embeddings)
+    engine = LLMEngine(target, drafter or NoneDrafter(), k, _scheduler(config, concurrency, scheduler),
+                       target.config.max_position_embeddings, speculative_policy=e.speculative_policy)
     ids = [target.tokenizer.encode(p).ids for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-    def run(batch: list[list[int]], tag: str) -> int:
-        for i, prompt_ids in enumerate(batch):
-            engine.add_request(f"{tag}-{i}", prompt_ids, params)
-        n = 0
-        while engine.has_unfinished_requests():
-            n += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-        return n
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a verifier replica: more threads fight the actors' pollers
     try:
         for w in range(20):  # warm-up until the graphs are live
-            run(ids[:concurrency], f"warm{w}")
+            _drive(engine, ids[:concurrency], max_tokens, f"warm{w}")
             if not graph or (router.graph.live and (drafter is None or drafter.graph.live)):
                 break
         with Timer() as t:
-            tokens = run(ids, "run")
+            tokens = _drive(engine, ids, max_tokens, "run")
     finally:
         torch.set_num_threads(threads)
         router.close()
@@ -166,9 +189,9 @@ def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, ar
         # Let the server's compiled graphs reach their idle teardown: their polling readers
         # would otherwise take cores from the runs below.
         time.sleep(config.experts.graph_idle_park_s + 1.0)
-        u = unit_run(config, prompts, conc, k, args.max_tokens)
+        u = unit_run(config, prompts, conc, k, args.max_tokens, args.in_process_scheduler)
         time.sleep(config.experts.graph_idle_park_s + 1.0)
-        e = engine_run(config, prompts, conc, k, args.max_tokens)
+        e = engine_run(config, prompts, conc, k, args.max_tokens, args.in_process_scheduler)
         rep = {"http_tok_per_s": h["tok_per_s"], "unit_tok_per_s": u["tok_per_s"], "engine_tok_per_s": e["tok_per_s"],
                "ratio": h["tok_per_s"] / e["tok_per_s"], "unit_ratio": u["tok_per_s"] / e["tok_per_s"]}
         if args.compare_two_batch_overlap:  # the unit once more with the other setting: its gain
@@ -176,7 +199,7 @@ def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, ar
             x = config.experts
             other = msgspec.structs.replace(config, experts=msgspec.structs.replace(
                 x, two_batch_overlap=not x.two_batch_overlap))
-            o = unit_run(other, prompts, conc, k, args.max_tokens)["tok_per_s"]
+            o = unit_run(other, prompts, conc, k, args.max_tokens, args.in_process_scheduler)["tok_per_s"]
             rep["unit_tbo_gain"] = (u["tok_per_s"] / o) if x.two_batch_overlap else (o / u["tok_per_s"])
         if "tpot_p50_ms" in h:  # against the in-process time per output token at this concurrency
             rep.update(http_tpot_p50_ms=h["tpot_p50_ms"], engine_ms_per_token=1e3 / e["tok_per_s"],
@@ -203,6 +226,9 @@ def main() -> None:
     parser.add_argument("--compare-two-batch-overlap", action="store_true",
                         help="also run the serving unit with experts.two_batch_overlap flipped: unit_tbo_gain = "
                              "unit tok/s with it on / off")
+    parser.add_argument("--in-process-scheduler", choices=("server", "default"), default="server",
+                        help="the in-process engine's and the serving unit's scheduler: the server's config "
+                             "(chunked prefill, SLO classes, token budget; same as HTTP) or the engine defaults")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     config = load_yaml(args.config, ServeConfig)

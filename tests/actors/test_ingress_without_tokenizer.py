@@ -43,10 +43,10 @@ class _LocalVerifier:
         self.engine, self.loop, self.owner = engine, None, None
         self.generate = self
 
-    def remote(self, ids, params, prompt, rid, carrier) -> _Stream:
+    def remote(self, ids, params, prompt, rid, carrier, stream) -> _Stream:
         if self.owner is not asyncio.get_running_loop():
             self.loop, self.owner = EngineLoop(self.engine, ThreadPoolExecutor(1)), asyncio.get_running_loop()
-        return _Stream(self.loop.generate(ids, params, prompt, rid, carrier))
+        return _Stream(self.loop.generate(ids, params, prompt, rid, carrier, stream))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,103 @@
+"""Fewer items across the Serve hop: a non-streamed request gets its first tokens and then one
+merged item; a streamed one's steps that queued up behind a busy consumer go as one item; the
+merged items carry every step's timing, and the text, tokens and totals are unchanged."""
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import pytest
+
+from actors.engine_loop import EngineLoop
+from actors.stream_items import merge_step_items, ship
+from actors.telemetry import RequestTelemetry
+from engine import LLM, SamplingParams
+from engine.args import EngineArgs
+from engine.llm import build_engine
+from tests.actors.conftest import DRAFT, TARGET
+
+PARAMS = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, "logprobs": 1}
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
+
+
+def _step(text: str, ids: list[int], at_s: float, finish: str | None = None) -> dict:
+    item = {"type": "step", "finished": finish is not None, "at_s": at_s,
+            "choices": [{"index": 0, "new_text": text, "new_token_ids": ids, "finish_reason": finish,
+                         "stop_reason": None, "new_logprobs": [{"token_id": t} for t in ids],
+                         "num_tokens": 0}]}
+    if finish:
+        item["usage"] = {"prompt_tokens": 3, "completion_tokens": 5}
+    return item
+
+
+def test_merged_items_concatenate_and_keep_each_steps_age():
+    items = [_step("a", [1], 10.0), _step("bc", [2, 3], 10.5), _step("de", [4, 5], 11.0, "length")]
+    merged = ship(items, now_s=12.0)
+    c = merged["choices"][0]
+    assert (c["new_text"], c["new_token_ids"]) == ("abcde", [1, 2, 3, 4, 5])
+    assert [lp["token_id"] for lp in c["new_logprobs"]] == [1, 2, 3, 4, 5]
+    assert c["finish_reason"] == "length" and merged["finished"] and merged["usage"]["completion_tokens"] == 5
+    assert merged["steps"] == [[2.0, 1], [1.5, 2], [1.0, 2]] and "at_s" not in merged
+    alone = ship([_step("a", [1], 10.0)], now_s=12.0)
+    assert "steps" not in alone and "at_s" not in alone
+    twice = merge_step_items([merge_step_items(items[:2]), items[2]])  # a merged item merges on
+    assert twice["steps"] == [[10.0, 1], [10.5, 2], [11.0, 2]]
+
+
+def test_telemetry_records_a_merged_items_steps_when_they_were_emitted():
+    got = []
+
+    class Tracker:
+        def on_tokens(self, n, t):
+            got.append((n, t))
+
+    tel = RequestTelemetry(None, "/v1/completions", {}, "text_completion", "m", arrival_s=time.monotonic())
+    tel.tracker = Tracker()
+    now = time.monotonic()
+    tel.on_item({"type": "step", "finished": False, "steps": [[0.3, 1], [0.2, 0], [0.1, 3]],
+                 "choices": [{"index": 0, "new_token_ids": [1, 2, 3, 4], "finish_reason": None}]})
+    assert [n for n, _ in got] == [1, 3] and tel.num_tokens == 4
+    assert got[0][1] == pytest.approx(now - 0.3, abs=0.05) and got[1][1] == pytest.approx(now - 0.1, abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(TARGET, draft_model=DRAFT, num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, msgspec.convert(PARAMS, SamplingParams))
+    return llm.tokenizer, [o.outputs[0] for o in outs]
+
+
+async def _collect(loop, ids, stream: bool, consumer_delay_s: float = 0.0) -> list[dict]:
+    items = []
+    async for item in loop.generate(ids, PARAMS, stream=stream):
+        items.append(item)
+        await asyncio.sleep(consumer_delay_s)  # a busy consumer: steps queue up behind it
+    return items
+
+
+@pytest.mark.parametrize("stream,delay_s", [(False, 0.0), (True, 0.05)])
+def test_merged_streams_equal_the_offline_api(reference, stream, delay_s):
+    tokenizer, want = reference
+    engine = build_engine(EngineArgs(model=TARGET, draft_model=DRAFT, num_speculative_tokens=3))
+
+    async def run():
+        loop = EngineLoop(engine, ThreadPoolExecutor(1))
+        ids = [tokenizer.encode(p).ids for p in PROMPTS]
+        return await asyncio.gather(*[_collect(loop, i, stream, delay_s) for i in ids])
+
+    steps_before = engine.num_steps
+    results = asyncio.run(run())
+    num_steps = engine.num_steps - steps_before
+    for items, out in zip(results, want):
+        steps = [i for i in items if i["type"] == "step"]
+        got = [t for i in steps for c in i["choices"] for t in c["new_token_ids"]]
+        assert got == list(out.token_ids)
+        assert "".join(c["new_text"] for i in steps for c in i["choices"]) == out.text
+        assert [lp["token_id"] for i in steps for c in i["choices"] for lp in c["new_logprobs"]] == list(out.token_ids)
+        assert items[0]["type"] == "accepted" and steps[-1]["finished"] and steps[-1]["usage"]["completion_tokens"] == 24
+        assert len(steps) < num_steps  # fewer items than engine steps
+        if not stream:  # the first tokens alone (TTFT), then everything else in one item
+            assert len(steps) == 2 and len(steps[0]["choices"][0]["new_token_ids"]) <= 4
+            assert sum(n for _, n in steps[1]["steps"]) == 24 - len(steps[0]["choices"][0]["new_token_ids"])
+            assert all(age >= 0 for age, _ in steps[1]["steps"])
