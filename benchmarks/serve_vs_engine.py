@@ -73,7 +73,7 @@ async def http_run(url: str, model: str, prompts: list[str], concurrency: int, k
     async with httpx.AsyncClient(timeout=600) as client:
         for _ in range(20):  # warm-up until the compiled graphs are live (or 20 rounds)
             await asyncio.gather(*[one(client, p) for p in prompts[:concurrency]])
-            if handle is None or await _graphs_live(handle):
+            if handle is None or await _graphs_live(handle, k):
                 break
         tokens, tpots = 0, []
         with Timer() as t:
@@ -84,11 +84,13 @@ async def http_run(url: str, model: str, prompts: list[str], concurrency: int, k
     return out
 
 
-async def _graphs_live(handle) -> bool:
+async def _graphs_live(handle, k: int) -> bool:
+    """The server's expert graph is live, and its draft graph too when requests draft (k > 0: a
+    plain-decoding run never builds it, so waiting for it would only burn warm-up rounds)."""
     stats = await handle.stats.remote()
     if stats["transport"]["kind"] != "compiled_graph":
         return True
-    return stats["transport"]["graph_live"] and stats["draft_transport"].get("live", True)
+    return stats["transport"]["graph_live"] and (not k or stats["draft_transport"].get("live", True))
 
 
 def _scheduler(config, concurrency: int, which: str):

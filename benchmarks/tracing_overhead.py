@@ -64,7 +64,7 @@ def _warm_until_live(url: str, model: str, prompts: list[str], args) -> None:
     handle = serve.get_deployment_handle("verifier", app_name=serve_app.APP_NAME)
     for _ in range(20):
         asyncio.run(_load(url, model, prompts[: args.concurrency], args.concurrency, args.max_tokens))
-        if asyncio.run(_graphs_live(handle)):
+        if asyncio.run(_graphs_live(handle, k=1)):  # its requests draft (the server default k)
             return
 
 
