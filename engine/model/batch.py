@@ -49,6 +49,8 @@ class ForwardBatch:
         Concatenating the micro-batches' logit rows (and token rows) in order gives this batch's.
         """
         parts = max(1, min(parts, self.num_seqs))
+        if parts == 1:  # the common case: the batch itself, no views to build
+            return [self]
         cum = list(itertools.accumulate(self.query_lens))
         bounds = [0]
         for k in range(1, parts):  # each cut where the tokens before it are nearest k / parts of all

@@ -16,9 +16,9 @@ from engine.model.batch import ForwardBatch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32. ``x``: ``(..., dim)``."""
-    xf = x.float()
+    xf = x if x.dtype == torch.float32 else x.float()  # a no-op cast still costs a dispatch
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * (xf if xf.dtype == x.dtype else xf.to(x.dtype))
 
 
 class Rotary:
