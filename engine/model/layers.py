@@ -71,9 +71,10 @@ class AttentionPlan:
         mask: ``(num_seqs, 1, max_q, max_kv)`` bool, True where a query may attend (causal by
             absolute position, and the sliding window if any); None when no key needs hiding
             (see ``causal``).
-        causal: with ``mask`` None, whether SDPA's own causal mask applies (one sequence prefilled
-            from position 0: queries and keys are the same positions) or every query sees every key
-            (decoding sequences that all have ``max_kv`` tokens).
+        causal: with ``mask`` None, whether SDPA's own causal mask applies (sequences all
+            prefilled from position 0: queries and keys are the same positions, padding queries
+            discarded) or every query sees every key (decoding sequences that all have ``max_kv``
+            tokens).
         slot_rows: a ``slice`` when the batch has a ``slot_range`` (the cache rows are then a view,
             not a gathered copy), else the ``(num_seqs,)`` slot tensor.
         max_q, max_kv: longest new-token run and longest sequence after this pass.
@@ -151,7 +152,10 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> At
     windowed = sliding_window is not None and sliding_window < max_kv
     if not windowed and max_q == 1 and min(batch.seq_lens) == max_kv:
         return AttentionPlan(token_slots, None, False, slot_rows, max_q, max_kv, uniform)
-    if not windowed and num_seqs == 1 and max_q == max_kv:
+    if not windowed and batch.seq_lens == batch.query_lens:
+        # Every sequence is prefilled from position 0: SDPA's causal mask is its position mask
+        # for every real query (key j <= query i < its length); keys past a sequence's length
+        # are seen only by its padding queries, whose rows are discarded.
         return AttentionPlan(token_slots, None, True, slot_rows, max_q, max_kv, uniform)
     return AttentionPlan(token_slots, _mask(batch, max_q, max_kv, uniform, sliding_window), False, slot_rows,
                          max_q, max_kv, uniform)

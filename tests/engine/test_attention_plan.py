@@ -13,6 +13,9 @@ HEADS, KV_HEADS, DIM, MAX_LEN = 4, 2, 8, 32
 
 CASES = {  # name: (slots, new-token counts, start positions, sliding window, expected plan shortcut)
     "prefill_one_from_zero": ([0], [6], [0], None, "causal"),
+    "prefill_ragged_from_zero": ([1, 0, 2], [6, 3, 4], [0, 0, 0], None, "causal"),  # padded queries
+    "prefill_ragged_from_zero_in_window": ([0, 1], [6, 3], [0, 0], 4, "mask"),
+    "prefill_one_from_zero_one_continuing": ([0, 1], [4, 4], [0, 3], None, "mask"),
     "decode_equal_lengths": ([0, 1, 2], [1, 1, 1], [9, 9, 9], None, "no_mask"),
     "decode_ragged_lengths": ([2, 0], [1, 1], [4, 11], None, "mask"),
     "verify_equal_drafts": ([1, 2], [3, 3], [5, 8], None, "mask"),
