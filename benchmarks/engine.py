@@ -80,6 +80,9 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per specmoe config (median)")
     parser.add_argument("--compile", action="store_true", help="add plain decoding with compile=True")
+    parser.add_argument("--plain-only", action="store_true",
+                        help="only plain decoding (speculation off) and plain transformers generate: the "
+                             "step-overhead figures, without the speculative and assisted runs")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch intra-op threads for both systems (1 on a machine shared with other jobs: "
                              "two OpenMP threads stall whenever one is descheduled)")
@@ -90,13 +93,14 @@ def main() -> None:
     prompts = [llm_tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in load_prompts(args.num_prompts)]
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        configs = [(*c, False) for c in SPECMOE_CONFIGS] + ([("off", None, 0, True)] if args.compile else [])
+        specmoe = SPECMOE_CONFIGS[:1] if args.plain_only else SPECMOE_CONFIGS
+        configs = [(*c, False) for c in specmoe] + ([("off", None, 0, True)] if args.compile else [])
         for name, method, k, compiled in configs:
             r = bench_specmoe(prompts, batch, method, k, args.max_tokens, args.repeats, compiled)
             rows.append({"system": "specmoe", "batch": batch, "speculation": name, "k": k, "compile": compiled, **r})
             print_table(rows[-1:], list(rows[-1]))
         if not args.skip_transformers:
-            for assisted in (False, True):
+            for assisted in (False,) if args.plain_only else (False, True):
                 r = bench_transformers(prompts, batch, args.max_tokens, assisted)
                 if r:
                     rows.append({"system": "transformers", "batch": batch,

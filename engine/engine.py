@@ -92,14 +92,20 @@ class LLMEngine:
     def _build_controller(self, policy: SpeculativePolicy) -> SpeculationController:
         moe = self.target.config.moe
         activation = None
-        if moe is not None and self.target.model.experts is not None:
+        max_k = MAX_SPECULATIVE_TOKENS if not isinstance(self.drafter, NoneDrafter) else 0
+        if moe is not None and self.target.model.experts is not None and self._learns_costs(max_k):
             # Meter the target's experts: the distinct experts a verify pass activates are the MoE
             # part of its cost (engine.spec_cost).
             if not isinstance(self.target.model.experts, ActivationMeter):  # a reused target has one
                 self.target.model.experts = ActivationMeter(self.target.model.experts)
             activation = ExpertActivation(moe.num_experts, len(moe.sparse_layers), moe.top_k)
-        max_k = MAX_SPECULATIVE_TOKENS if not isinstance(self.drafter, NoneDrafter) else 0
         return SpeculationController(max_k, policy, activation)
+
+    def _learns_costs(self, max_k: int) -> bool:
+        """Whether steps feed the online cost model: it chooses draft lengths (max_k > 0) and
+        predicts step times for latency budgets (SLO classes). A plain-decoding engine without
+        SLO classes has no reader for it, so its steps skip the metering and the fit."""
+        return max_k > 0 or bool(self.scheduler.config.slo_classes)
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -206,7 +212,9 @@ class LLMEngine:
                     drafts = self._propose(sched.decodes, decision)
                     t1 = time.perf_counter()
                 self._verify_and_emit(sched, drafts)
-                self._observe_costs(t1 - t0, time.perf_counter() - t1, drafts, sched)
+                target_s, distinct = time.perf_counter() - t1, self._take_distinct_experts()
+                if self._learns_costs(self.controller.max_k):
+                    self._observe_costs(t1 - t0, target_s, drafts, sched, distinct)
                 if not sched.prefills:  # the realised goodput check compares pure-decode steps only
                     self.controller.observe_goodput(self.stats.num_emitted_tokens - before[2],
                                                     time.perf_counter() - start)
@@ -282,8 +290,13 @@ class LLMEngine:
         self._drafting_ahead = {sid for sid, p in drafts.items() if p.drafting_ahead}
         return drafts
 
+    def _take_distinct_experts(self) -> int | None:
+        """Distinct (layer, expert) pairs the step's target forward activated (None: not metered)."""
+        meter = self.target.model.experts
+        return meter.take() if isinstance(meter, ActivationMeter) else None
+
     def _observe_costs(self, draft_s: float, target_s: float, drafts: dict[str, DraftProposal],
-                       sched: SchedulerOutput) -> None:
+                       sched: SchedulerOutput, distinct: int | None) -> None:
         """Feed the step's measured costs to the controller (draft phase; target + verify).
 
         Windows drafted ahead (pipelined) cost this step's draft phase nothing but the hop, so
@@ -292,8 +305,6 @@ class LLMEngine:
         drafted = [len(p.token_ids) for p in drafts.values() if not p.pipelined]
         catchup = sum(self._catchup.get(sid, 0) for sid, p in drafts.items() if not p.pipelined)
         tokens = sum(sched.chunks.values()) + len(sched.decodes) + sum(lengths)
-        meter = self.target.model.experts
-        distinct = meter.take() if isinstance(meter, ActivationMeter) else None
         self.controller.observe_step(draft_s if drafted else 0.0, max(drafted, default=0), sum(drafted), target_s,
                                      tokens, distinct, catchup)
 

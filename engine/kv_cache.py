@@ -7,6 +7,8 @@ overwritten by the next write (see ``engine.model.layers.attention``'s causal ma
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from engine.errors import SpecmoeError
@@ -40,7 +42,10 @@ class KVCache:
         self.max_seqs = max_seqs
         self.max_len = max_len
         self.lengths = [0] * max_seqs
-        self._free = list(range(max_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        # A min-heap: the lowest free slot goes first, so sequences admitted together get
+        # consecutive ascending slots again after earlier ones finished, and a batch's cache rows
+        # stay a view (``ForwardBatch.slot_range``) instead of a gathered copy in every layer.
+        self._free = list(range(max_seqs))
 
     @property
     def num_free(self) -> int:
@@ -58,7 +63,7 @@ class KVCache:
         """Reserve a slot (length 0). Raises KVCacheFull when none is free."""
         if not self._free:
             raise KVCacheFull(f"all {self.max_seqs} KV cache slots are in use")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self.lengths[slot] = 0
         return slot
 
@@ -67,7 +72,7 @@ class KVCache:
         if slot in self._free or not 0 <= slot < self.max_seqs:
             raise ValueError(f"KV slot {slot} is not allocated")
         self.lengths[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def reserve(self, slot: int, new_length: int) -> None:
         """Record that ``slot`` will hold ``new_length`` tokens after the next forward."""

@@ -113,6 +113,8 @@ class SLOPolicy:
         verifies k drafts emits 1 + the expected accepted tokens, so holding it to one token's
         budget would starve the prefills of a speculating batch (the same per-token accounting as
         the controller's own TPOT check)."""
+        if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
+            return None
         budgets = []
         for s in decodes:
             slo = self.config.slo_for(s.params.slo_class)[1]
@@ -128,6 +130,8 @@ class SLOPolicy:
         """(TPOT budget s, slack s) per decoding sequence with a TPOT budget, for the speculation
         controller: slack = budget x output tokens after the first - seconds since the first
         token (negative: behind its budget)."""
+        if not self.config.slo_classes:
+            return {}
         now, out = time.monotonic(), {}
         for seq in decodes:
             slo = self.config.slo_for(seq.params.slo_class)[1]

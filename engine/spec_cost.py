@@ -172,14 +172,14 @@ class ActivationMeter:
 
     def submit(self, layer: int, hidden, routing):
         """Count the layer's experts and start them (``engine.model.moe.submit_experts``)."""
-        self._active.append((routing.expert_counts > 0).sum())
+        self._active.append(routing.expert_counts)  # counted in take(): one op a step, not two a layer
         return submit_experts(self.inner, layer, hidden, routing)
 
     def take(self) -> int | None:
         """Distinct (layer, expert) pairs since the last call; None if no MoE layer ran."""
         if not self._active:
             return None
-        total = int(torch.stack(self._active).sum())
+        total = int(torch.count_nonzero(torch.stack(self._active)))
         self._active.clear()
         return total
 

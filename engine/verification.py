@@ -73,13 +73,16 @@ def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists:
     """
     device, batch = logits.device, len(draft_lists)
     k = max(len(d) for d in draft_lists)
-    index, draft_ids, offset = [], [], 0
-    for n, d in zip(num_logits, draft_lists):
-        index.append([offset + min(j, n - 1) for j in range(k + 1)])
-        draft_ids.append(d + [0] * (k - len(d)))
-        offset += n
-    # Small host tensors, copied to the device once each (explicit: the host/device boundary).
-    target_logits = logits[torch.tensor(index, dtype=torch.int64).to(device)]  # (B, K + 1, V)
+    draft_ids = [d + [0] * (k - len(d)) for d in draft_lists]
+    if k == 0:  # one row per sequence, in order (plain decoding): the layout is a view
+        target_logits = logits[:, None]
+    else:
+        index, offset = [], 0
+        for n in num_logits:
+            index.append([offset + min(j, n - 1) for j in range(k + 1)])
+            offset += n
+        # Small host tensors, copied to the device once each (explicit: the host/device boundary).
+        target_logits = logits[torch.tensor(index, dtype=torch.int64).to(device)]  # (B, K + 1, V)
     out = VerifyBatch(torch.tensor(draft_ids, dtype=torch.int64).reshape(batch, k).to(device),
                       torch.tensor([len(d) for d in draft_lists], dtype=torch.int64).to(device), target_logits,
                       torch.tensor([p.temperature == 0 for p in params]).to(device))
@@ -111,6 +114,9 @@ def verify(batch: VerifyBatch) -> tuple[list[list[int]], list[int]]:
         Per sequence the ``num_accepted + 1`` emitted token ids, and ``num_accepted``; one
         explicit device-to-host copy of the ``(B, K + 1)`` result.
     """
+    if batch.all_greedy and batch.draft_ids.shape[1] == 0:  # nothing drafted: each row's argmax
+        host_ids = greedy_argmax(batch.target_logits[:, 0]).cpu().tolist()
+        return [[t] for t in host_ids], [0] * len(host_ids)
     if batch.all_greedy:
         out_ids, num_acc = greedy_verify(batch.draft_ids, batch.num_draft, greedy_argmax(batch.target_logits))
     else:

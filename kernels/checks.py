@@ -70,6 +70,7 @@ def check_ffn_args(
     routing_weights: torch.Tensor | None,
     *,
     triton: bool = False,
+    host_counts: list[int] | None = None,
 ) -> None:
     """Validate grouped expert-FFN inputs (shapes as in :func:`kernels.expert_ffn.expert_ffn_reference`).
 
@@ -80,6 +81,8 @@ def check_ffn_args(
     Args:
         triton: also check what the Triton kernel needs: one shared fp32/fp16/bf16 dtype, equal
             gate/up strides, and strides small enough for 32-bit in-tile offsets.
+        host_counts: ``expert_counts`` already copied to the host (the reference loops over them),
+            so the sum is checked on that list instead of with another tensor op.
 
     Raises:
         ValueError: naming the inconsistent shape, count, dtype or stride.
@@ -96,7 +99,10 @@ def check_ffn_args(
         raise ValueError(f"hidden size {hidden.shape[1]} != expert hidden size {hsize}")
     if expert_counts.shape != (num_local,):
         raise ValueError(f"expert_counts must be ({num_local},), got {tuple(expert_counts.shape)}")
-    if not expert_counts.is_cuda and int(expert_counts.sum()) != hidden.shape[0]:
+    if host_counts is not None:
+        if sum(host_counts) != hidden.shape[0]:
+            raise ValueError(f"expert_counts {host_counts} must sum to {hidden.shape[0]}")
+    elif not expert_counts.is_cuda and int(expert_counts.sum()) != hidden.shape[0]:
         raise ValueError(f"expert_counts {expert_counts.tolist()} must sum to {hidden.shape[0]}")
     if routing_weights is not None and routing_weights.shape != (hidden.shape[0],):
         raise ValueError(f"routing_weights must be ({hidden.shape[0]},), got {tuple(routing_weights.shape)}")

@@ -29,7 +29,7 @@ def topk_routing_reference(router_logits: torch.Tensor, top_k: int, renormalize:
     """
     check_routing_args(router_logits, top_k)
     num_tokens, num_experts = router_logits.shape
-    probs = torch.softmax(router_logits.float(), dim=-1)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     # A stable descending sort keeps equal probabilities in index order, so ties go to the lower
     # expert index deterministically (torch.topk leaves tie order unspecified).
     sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -38,7 +38,7 @@ def topk_routing_reference(router_logits: torch.Tensor, top_k: int, renormalize:
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     flat_ids = topk_ids.reshape(-1)
-    expert_counts = torch.bincount(flat_ids, minlength=num_experts).to(torch.int64)
+    expert_counts = torch.bincount(flat_ids, minlength=num_experts)  # int64 (no weights given)
     sorted_slots = torch.sort(flat_ids, stable=True).indices
     return RoutingResult(topk_weights, topk_ids, expert_counts, sorted_slots)
 

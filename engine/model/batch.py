@@ -24,6 +24,7 @@ class ForwardBatch:
         slot_range: ``(first, last + 1)`` when the slots are consecutive and ascending (the KV cache
             rows are then a view, not a gather), else None; known on the host, so no device sync.
         logit_counts: logit rows per sequence (host), in batch order.
+        slot_ids: the KV cache slot of each sequence (host), in batch order.
     """
 
     input_ids: torch.Tensor
@@ -36,6 +37,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     slot_range: tuple[int, int] | None = None
     logit_counts: list[int] | None = None
+    slot_ids: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -49,6 +51,8 @@ class ForwardBatch:
         Concatenating the micro-batches' logit rows (and token rows) in order gives this batch's.
         """
         parts = max(1, min(parts, self.num_seqs))
+        if parts == 1:  # the common case: the batch itself, no views to build
+            return [self]
         cum = list(itertools.accumulate(self.query_lens))
         bounds = [0]
         for k in range(1, parts):  # each cut where the tokens before it are nearest k / parts of all
@@ -64,12 +68,15 @@ class ForwardBatch:
         out, tok0, logit0 = [], 0, 0
         for a, b in zip(bounds, bounds[1:]):
             ntok, nlog = sum(self.query_lens[a:b]), sum(counts[a:b])
-            slots = self.slots[a:b]
-            rng = None if self.slot_range is None else (self.slot_range[0] + a, self.slot_range[0] + b)
+            slots, ids = self.slots[a:b], self.slot_ids[a:b] if self.slot_ids is not None else None
+            if self.slot_range is not None:
+                rng = (self.slot_range[0] + a, self.slot_range[0] + b)
+            else:  # a part may be consecutive where the whole batch is not
+                rng = _consecutive_range(ids) if ids is not None else None
             out.append(ForwardBatch(self.input_ids[tok0:tok0 + ntok], self.positions[tok0:tok0 + ntok], slots,
                                     self.query_lens[a:b], self.seq_lens[a:b], self.token_seq[tok0:tok0 + ntok] - a,
                                     self.token_qidx[tok0:tok0 + ntok],
-                                    self.logits_indices[logit0:logit0 + nlog] - tok0, rng, counts[a:b]))
+                                    self.logits_indices[logit0:logit0 + nlog] - tok0, rng, counts[a:b], ids))
             tok0, logit0 = tok0 + ntok, logit0 + nlog
         return out
 
@@ -116,6 +123,10 @@ class ForwardBatch:
         parts = (flat, positions, slots, token_seq, token_qidx, logits_indices)
         host = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
         fields = host.to(device).split([len(part) for part in parts])
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         return cls(*fields[:3], query_lens, [s + n for s, n in zip(start_positions, query_lens)], *fields[3:],
-                   slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None, logit_counts=logits)
+                   slot_range=_consecutive_range(slots), logit_counts=logits, slot_ids=list(slots))
+
+
+def _consecutive_range(slots: list[int]) -> tuple[int, int] | None:
+    """``(first, last + 1)`` when ``slots`` are consecutive and ascending, else None."""
+    return (slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None

@@ -16,9 +16,9 @@ from engine.model.batch import ForwardBatch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32. ``x``: ``(..., dim)``."""
-    xf = x.float()
+    xf = x if x.dtype == torch.float32 else x.float()  # a no-op cast still costs a dispatch
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * (xf if xf.dtype == x.dtype else xf.to(x.dtype))
 
 
 class Rotary:
@@ -71,11 +71,16 @@ class AttentionPlan:
         mask: ``(num_seqs, 1, max_q, max_kv)`` bool, True where a query may attend (causal by
             absolute position, and the sliding window if any); None when no key needs hiding
             (see ``causal``).
-        causal: with ``mask`` None, whether SDPA's own causal mask applies (one sequence prefilled
-            from position 0: queries and keys are the same positions) or every query sees every key
-            (decoding sequences that all have ``max_kv`` tokens).
-        slot_rows: a ``slice`` when the batch has a ``slot_range`` (the cache rows are then a view,
+        causal: with ``mask`` None, whether SDPA's own causal mask applies (sequences all
+            prefilled from position 0: queries and keys are the same positions, padding queries
+            discarded) or every query sees every key (decoding sequences that all have ``max_kv``
+            tokens).
+        slot_rows: a ``slice`` when the batch's slots are a range (the cache rows are then a view,
             not a gathered copy), else the ``(num_seqs,)`` slot tensor.
+        slot_order: when the slots are a range out of order (sequences that joined a running batch
+            at freed slots), ``(order, rows)``: ``(num_seqs,)`` int64 batch index of each cache row
+            of the range and cache row of each batch sequence; attention then runs in cache-row
+            order (queries and ``mask`` permuted, outputs put back) over the view. Else None.
         max_q, max_kv: longest new-token run and longest sequence after this pass.
         uniform: every sequence appends ``max_q`` tokens (decoding, or verifying equal drafts): the
             queries are a view of the flat tokens, not a padded copy.
@@ -88,6 +93,7 @@ class AttentionPlan:
     max_q: int
     max_kv: int
     uniform: bool
+    slot_order: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -146,15 +152,30 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> At
     the host, from the batch's lengths."""
     num_seqs, max_q, max_kv = batch.num_seqs, max(batch.query_lens), max(batch.seq_lens)
     uniform = min(batch.query_lens) == max_q
-    slot_rows = slice(*batch.slot_range) if batch.slot_range is not None else batch.slots
+    slot_rows, order = _slot_rows(batch)
     token_slots = batch.slots if max_q == 1 else batch.slots[batch.token_seq]
     windowed = sliding_window is not None and sliding_window < max_kv
     if not windowed and max_q == 1 and min(batch.seq_lens) == max_kv:
-        return AttentionPlan(token_slots, None, False, slot_rows, max_q, max_kv, uniform)
-    if not windowed and num_seqs == 1 and max_q == max_kv:
-        return AttentionPlan(token_slots, None, True, slot_rows, max_q, max_kv, uniform)
-    return AttentionPlan(token_slots, _mask(batch, max_q, max_kv, uniform, sliding_window), False, slot_rows,
-                         max_q, max_kv, uniform)
+        return AttentionPlan(token_slots, None, False, slot_rows, max_q, max_kv, uniform, order)
+    if not windowed and batch.seq_lens == batch.query_lens:
+        # Every sequence is prefilled from position 0: SDPA's causal mask is its position mask
+        # for every real query (key j <= query i < its length); keys past a sequence's length
+        # are seen only by its padding queries, whose rows are discarded.
+        return AttentionPlan(token_slots, None, True, slot_rows, max_q, max_kv, uniform, order)
+    mask = _mask(batch, max_q, max_kv, uniform, sliding_window)
+    return AttentionPlan(token_slots, mask if order is None else mask[order[0]], False, slot_rows,
+                         max_q, max_kv, uniform, order)
+
+
+def _slot_rows(batch: ForwardBatch) -> tuple[slice | torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:attr:`AttentionPlan.slot_rows` and ``slot_order`` of ``batch`` (decided on the host)."""
+    if batch.slot_range is not None:
+        return slice(*batch.slot_range), None
+    ids = batch.slot_ids
+    if ids is None or sorted(ids) != list(range(min(ids), min(ids) + len(ids))):
+        return batch.slots, None
+    rows = batch.slots - min(ids)  # device ops on the slot tensor: no host copy
+    return slice(min(ids), min(ids) + len(ids)), (torch.argsort(rows), rows)
 
 
 def _mask(batch: ForwardBatch, max_q: int, max_kv: int, uniform: bool, sliding_window: int | None) -> torch.Tensor:
@@ -203,9 +224,13 @@ def attention(
     else:
         q_pad = q.new_zeros(batch.num_seqs, plan.max_q, q.shape[1], q.shape[2])
         q_pad[batch.token_seq, batch.token_qidx] = q
+    if plan.slot_order is not None:
+        q_pad = q_pad[plan.slot_order[0]]  # queries in cache-row order
     keys = k_cache[plan.slot_rows, :, :plan.max_kv]
     values = v_cache[plan.slot_rows, :, :plan.max_kv]
     out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=plan.mask,
                                          is_causal=plan.causal, enable_gqa=keys.shape[1] != q.shape[1])
     out = out.transpose(1, 2)
+    if plan.slot_order is not None:
+        out = out[plan.slot_order[1]]  # back to batch order
     return out.reshape(q.shape) if plan.uniform else out[batch.token_seq, batch.token_qidx]

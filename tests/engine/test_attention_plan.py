@@ -1,5 +1,6 @@
-"""The attention plan's shortcuts (no mask, SDPA's causal mask, queries as a view) change nothing:
-each batch shape gives what the general path (padded queries, explicit position mask) gives."""
+"""The attention plan's shortcuts (no mask, SDPA's causal mask, queries as a view, cache rows as a
+view also when the slots are a range out of order) change nothing: each batch shape gives what the
+general path (padded queries, explicit position mask, gathered cache rows) gives."""
 
 import dataclasses
 
@@ -13,12 +14,17 @@ HEADS, KV_HEADS, DIM, MAX_LEN = 4, 2, 8, 32
 
 CASES = {  # name: (slots, new-token counts, start positions, sliding window, expected plan shortcut)
     "prefill_one_from_zero": ([0], [6], [0], None, "causal"),
+    "prefill_ragged_from_zero": ([1, 0, 2], [6, 3, 4], [0, 0, 0], None, "causal"),  # padded queries
+    "prefill_ragged_from_zero_in_window": ([0, 1], [6, 3], [0, 0], 4, "mask"),
+    "prefill_one_from_zero_one_continuing": ([0, 1], [4, 4], [0, 3], None, "mask"),
     "decode_equal_lengths": ([0, 1, 2], [1, 1, 1], [9, 9, 9], None, "no_mask"),
     "decode_ragged_lengths": ([2, 0], [1, 1], [4, 11], None, "mask"),
     "verify_equal_drafts": ([1, 2], [3, 3], [5, 8], None, "mask"),
     "ragged_prefill_and_verify": ([0, 2], [5, 2], [0, 7], None, "mask"),
     "decode_inside_window": ([0, 1], [1, 1], [9, 9], 4, "mask"),
     "decode_window_covers_all": ([0, 1], [1, 1], [9, 9], 16, "no_mask"),
+    "decode_ragged_slots_out_of_order": ([2, 0, 1], [1, 1, 1], [4, 11, 7], None, "mask"),
+    "verify_ragged_slots_out_of_order": ([1, 2, 0], [3, 2, 1], [5, 8, 2], None, "mask"),
 }
 
 
@@ -35,7 +41,10 @@ def test_plan_shortcuts_equal_the_general_masked_path(name):
     kind = "causal" if plan.causal else "no_mask" if plan.mask is None else "mask"
     assert kind == shortcut
     assert plan.uniform == (min(counts) == max(counts))
-    general = dataclasses.replace(plan, uniform=False, causal=False,
+    # Cache rows a view whenever the slots are a range, in order or not.
+    assert isinstance(plan.slot_rows, slice) == (sorted(slots) == list(range(min(slots), min(slots) + len(slots))))
+    assert (plan.slot_order is not None) == (isinstance(plan.slot_rows, slice) and batch.slot_range is None)
+    general = dataclasses.replace(plan, uniform=False, causal=False, slot_rows=batch.slots, slot_order=None,
                                   mask=_mask(batch, plan.max_q, plan.max_kv, False, window))
     fast_cache, general_cache = cache.clone(), cache.clone()
     fast = attention(q, k, v, fast_cache[0], fast_cache[1], batch, plan)

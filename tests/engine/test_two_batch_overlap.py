@@ -103,12 +103,12 @@ def test_greedy_output_is_unchanged_with_two_batch_overlap(llm):
     prompts = [[5 + i, 17, 3 * i + 1, 40] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    meter = llm.engine.target.model.experts  # the activation meter around the in-process experts
-    inner = meter.inner
-    meter.inner = deferred = Deferred(inner)
+    model = llm.engine.target.model  # a plain engine without SLO classes meters nothing: bare experts
+    inner = model.experts
+    model.experts = deferred = Deferred(inner)
     try:
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:
-        meter.inner = inner
+        model.experts = inner
     assert outs == reference
     assert any(e[0] == "submit" and e[2] < len(prompts) for e in deferred.events)  # the batches were split
