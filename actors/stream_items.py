@@ -19,7 +19,7 @@ def unavailable_item(message: str) -> dict:
     return {"type": "error", "status": 503, "message": message, "finished": True}
 
 
-def step_item(out: RequestOutput, at_s: float | None = None) -> dict:
+def step_item(out: RequestOutput, at_s: float) -> dict:
     """What one engine step added to a request, plus its totals when it finished.
 
     ``at_s`` (monotonic s, when the step emitted it) lets :func:`merge_step_items` keep each
@@ -38,9 +38,7 @@ def step_item(out: RequestOutput, at_s: float | None = None) -> dict:
             ],
             "num_tokens": len(c.token_ids),
         })
-    item = {"type": "step", "finished": out.finished, "choices": choices}
-    if at_s is not None:
-        item["at_s"] = at_s
+    item = {"type": "step", "finished": out.finished, "choices": choices, "at_s": at_s}
     if out.finished:
         stats = out.spec_stats
         m = out.metrics
@@ -61,7 +59,7 @@ def merge_step_items(items: list[dict]) -> dict:
     merged = {"type": "step", "finished": items[-1]["finished"], "choices": [], "steps": []}
     by_index: dict[int, dict] = {}
     for item in items:
-        merged["steps"] += item.get("steps") or [[item.get("at_s"), sum(len(c["new_token_ids"]) for c in item["choices"])]]
+        merged["steps"].append([item["at_s"], sum(len(c["new_token_ids"]) for c in item["choices"])])
         for c in item["choices"]:
             into = by_index.get(c["index"])
             if into is None:
@@ -85,8 +83,8 @@ def ship(items: list[dict], now_s: float) -> dict:
     one, their emission times as ages (s before ``now_s``: they mean the same on another node's
     clock), ``steps: [[age_s, tokens], ...]``; a lone item's time is dropped (it is now)."""
     if len(items) == 1:
-        items[0].pop("at_s", None)
+        del items[0]["at_s"]
         return items[0]
     item = merge_step_items(items)
-    item["steps"] = [[max(0.0, now_s - (now_s if t is None else t)), n] for t, n in item["steps"]]
+    item["steps"] = [[now_s - t, n] for t, n in item["steps"]]
     return item

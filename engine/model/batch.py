@@ -72,7 +72,7 @@ class ForwardBatch:
             if self.slot_range is not None:
                 rng = (self.slot_range[0] + a, self.slot_range[0] + b)
             else:  # a part may be consecutive where the whole batch is not
-                rng = _consecutive_range(ids) if ids is not None else None
+                rng = consecutive_range(ids) if ids is not None else None
             out.append(ForwardBatch(self.input_ids[tok0:tok0 + ntok], self.positions[tok0:tok0 + ntok], slots,
                                     self.query_lens[a:b], self.seq_lens[a:b], self.token_seq[tok0:tok0 + ntok] - a,
                                     self.token_qidx[tok0:tok0 + ntok],
@@ -124,9 +124,9 @@ class ForwardBatch:
         host = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
         fields = host.to(device).split([len(part) for part in parts])
         return cls(*fields[:3], query_lens, [s + n for s, n in zip(start_positions, query_lens)], *fields[3:],
-                   slot_range=_consecutive_range(slots), logit_counts=logits, slot_ids=list(slots))
+                   slot_range=consecutive_range(slots), logit_counts=logits, slot_ids=list(slots))
 
 
-def _consecutive_range(slots: list[int]) -> tuple[int, int] | None:
+def consecutive_range(slots: list[int]) -> tuple[int, int] | None:
     """``(first, last + 1)`` when ``slots`` are consecutive and ascending, else None."""
     return (slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.batch import ForwardBatch
+from engine.model.batch import ForwardBatch, consecutive_range
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,7 +150,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> AttentionPlan:
     """The :class:`AttentionPlan` of ``batch`` (on the batch tensors' device); every decision on
     the host, from the batch's lengths."""
-    num_seqs, max_q, max_kv = batch.num_seqs, max(batch.query_lens), max(batch.seq_lens)
+    max_q, max_kv = max(batch.query_lens), max(batch.seq_lens)
     uniform = min(batch.query_lens) == max_q
     slot_rows, order = _slot_rows(batch)
     token_slots = batch.slots if max_q == 1 else batch.slots[batch.token_seq]
@@ -171,11 +171,11 @@ def _slot_rows(batch: ForwardBatch) -> tuple[slice | torch.Tensor, tuple[torch.T
     """:attr:`AttentionPlan.slot_rows` and ``slot_order`` of ``batch`` (decided on the host)."""
     if batch.slot_range is not None:
         return slice(*batch.slot_range), None
-    ids = batch.slot_ids
-    if ids is None or sorted(ids) != list(range(min(ids), min(ids) + len(ids))):
+    rng = consecutive_range(sorted(batch.slot_ids)) if batch.slot_ids is not None else None
+    if rng is None:
         return batch.slots, None
-    rows = batch.slots - min(ids)  # device ops on the slot tensor: no host copy
-    return slice(min(ids), min(ids) + len(ids)), (torch.argsort(rows), rows)
+    rows = batch.slots - rng[0]  # device ops on the slot tensor: no host copy
+    return slice(*rng), (torch.argsort(rows), rows)
 
 
 def _mask(batch: ForwardBatch, max_q: int, max_kv: int, uniform: bool, sliding_window: int | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from actors.engine_loop import EngineLoop
-from actors.stream_items import merge_step_items, ship
+from actors.stream_items import ship
 from actors.telemetry import RequestTelemetry
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs
@@ -41,8 +41,6 @@ def test_merged_items_concatenate_and_keep_each_steps_age():
     assert merged["steps"] == [[2.0, 1], [1.5, 2], [1.0, 2]] and "at_s" not in merged
     alone = ship([_step("a", [1], 10.0)], now_s=12.0)
     assert "steps" not in alone and "at_s" not in alone
-    twice = merge_step_items([merge_step_items(items[:2]), items[2]])  # a merged item merges on
-    assert twice["steps"] == [[10.0, 1], [10.5, 2], [11.0, 2]]
 
 
 def test_telemetry_records_a_merged_items_steps_when_they_were_emitted():
