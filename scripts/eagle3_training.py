@@ -142,8 +142,27 @@ class TrainableEagle3(nn.Module):
             acc.append(float((self.draft_ids[logits.argmax(-1)] == ref.argmax(-1)).float().mean()))
         return loss, acc
 
+    _NORMS = frozenset({"norm", "midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm"})
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The on-disk tensors (no embedding: the engine shares the target's). Norm weights are bare
         parameters here, ``<name>.weight`` on disk."""
-        norms = {"norm", "midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm"}
-        return {k + ".weight" if k in norms else k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        return {k + ".weight" if k in self._NORMS else k: v.detach().contiguous() for k, v in self.state_dict().items()}
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`checkpoint_tensors` (a warm start from a saved head of the same shapes).
+
+        Raises:
+            ValueError: naming the first missing tensor or the first whose shape differs.
+        """
+        own = self.state_dict()
+        state = {}
+        for k, v in own.items():
+            disk = k + ".weight" if k in self._NORMS else k
+            if disk not in tensors:
+                raise ValueError(f"head checkpoint has no tensor {disk}")
+            if tensors[disk].shape != v.shape:
+                raise ValueError(f"head checkpoint tensor {disk}: shape {tuple(tensors[disk].shape)}, "
+                                 f"expected {tuple(v.shape)}")
+            state[k] = tensors[disk]
+        self.load_state_dict(state)

@@ -7,6 +7,13 @@ TTT loss against the target's distribution (:mod:`scripts.eagle3_training`). The
 is the ``--draft-vocab`` most frequent training tokens (``checkpoints/train_unigram_counts.json``),
 EOS always included. The embedding is the target's and is not saved.
 
+On-policy data (``--onpolicy-seqs``, self-distillation as in the EAGLE papers and as the bundled
+draft model was trained): the target's greedy continuations of random training-split prompts
+(``--seq-len`` − ``--onpolicy-new`` corpus tokens + ``--onpolicy-new`` greedy tokens per row). A
+step takes a batch of those rows with probability ``--onpolicy-frac``. Speculation drafts only over
+target-generated text, whose statistics (repetition loops; every token the target's argmax) differ
+from the corpus, and the head's TTT input tokens are then the very tokens an accepted draft has.
+
 Usage: python scripts/train_eagle3.py --seed 0 [--steps 300] [--out checkpoints/stdlib-eagle3]
 """
 
@@ -23,7 +30,7 @@ import torch
 if __package__ in (None, ""):  # allow `python scripts/train_eagle3.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -33,7 +40,7 @@ from scripts.eagle3_training import TrainableEagle3  # noqa: E402
 from scripts.stdlib_corpus import list_source_files  # noqa: E402
 from scripts.tiny_models import EOS_ID  # noqa: E402
 from scripts.tiny_tokenizer import encode_documents  # noqa: E402
-from scripts.tiny_training import make_optimizer, sample_windows, warmup_cosine  # noqa: E402
+from scripts.tiny_training import greedy_continuations, make_optimizer, sample_windows, warmup_cosine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,6 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--layer-ids", default="1,2,4", help="target layers whose input the head reads (4: the last output)")
+    ap.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of TTT step j: decay^(j-1)")
+    ap.add_argument("--onpolicy-seqs", type=int, default=0, help="target greedy continuations to train on (0: none)")
+    ap.add_argument("--onpolicy-new", type=int, default=96, help="greedy tokens per continuation")
+    ap.add_argument("--onpolicy-frac", type=float, default=0.5, help="fraction of steps on continuations")
+    ap.add_argument("--onpolicy-file", type=Path, default=None,
+                    help="cache of the continuations: loaded if it exists (same shape), else written")
+    ap.add_argument("--init", type=Path, default=None, help="start from this head checkpoint (same shapes)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no spin-waiting on a loaded machine)")
     return ap.parse_args(argv)
 
@@ -68,6 +82,26 @@ def draft_vocabulary(size: int) -> torch.Tensor:
 def train_stream(tokenizer: Tokenizer) -> torch.Tensor:
     docs = encode_documents(tokenizer, (f.text for f in tqdm(list_source_files("train"), desc="encode", mininterval=5)))
     return torch.tensor([i for doc in docs for i in doc], dtype=torch.int64)
+
+
+def onpolicy_rows(args: argparse.Namespace, stream: torch.Tensor) -> torch.Tensor | None:
+    """``(onpolicy_seqs, seq_len)`` target-greedy continuations of training prompts, or None."""
+    if args.onpolicy_seqs <= 0:
+        return None
+    shape = (args.onpolicy_seqs, args.seq_len)
+    if args.onpolicy_file is not None and args.onpolicy_file.exists():
+        rows = torch.load(args.onpolicy_file)
+        if tuple(rows.shape) != shape:
+            raise ValueError(f"{args.onpolicy_file}: shape {tuple(rows.shape)}, expected {shape}")
+        return rows
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)  # fp32 upcast, as served
+    prompt = args.seq_len - args.onpolicy_new
+    rows = greedy_continuations(hf, stream, args.onpolicy_seqs, prompt, args.onpolicy_new, 64, args.seed + 2)
+    if args.onpolicy_file is not None:
+        torch.save(rows, args.onpolicy_file)
+    return rows
 
 
 def target_pass(target, kv, windows: torch.Tensor, layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +138,11 @@ def main(argv=None) -> None:
     with torch.no_grad():  # warm start: the target's own output head and final norm
         head.lm_head.weight.copy_(target.model.lm_head[draft_ids])
         head.norm.copy_(target.model.norm)
+    if args.init is not None:
+        head.load_checkpoint_tensors(load_file(str(args.init / "model.safetensors")))
+    t_gen = time.time()
+    extra = onpolicy_rows(args, stream)
+    gen_seconds = time.time() - t_gen
     opt = make_optimizer(head, args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, args.steps, args.warmup))
     kv = target.model.new_kv_cache(args.batch, args.seq_len)
@@ -111,9 +150,12 @@ def main(argv=None) -> None:
     t0, tail = time.time(), []
     bar = tqdm(range(args.steps), desc="eagle3", mininterval=5.0, unit="step")
     for step in bar:
-        windows = sample_windows(stream, args.batch, args.seq_len - 1, gen)  # (B, seq_len)
+        if extra is not None and torch.rand((), generator=gen).item() < args.onpolicy_frac:
+            windows = extra[torch.randint(0, extra.shape[0], (args.batch,), generator=gen)]
+        else:
+            windows = sample_windows(stream, args.batch, args.seq_len - 1, gen)  # (B, seq_len)
         logits, feats = target_pass(target, kv, windows, layer_ids)
-        loss, acc = head.ttt_loss(windows, feats.clone(), logits.clone(), args.ttt_steps)
+        loss, acc = head.ttt_loss(windows, feats.clone(), logits.clone(), args.ttt_steps, args.ttt_decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -128,7 +170,8 @@ def main(argv=None) -> None:
     (args.out / "config.json").write_text(json.dumps(head_config(args, c, layer_ids), indent=2) + "\n")
     means = [sum(col) / len(col) for col in zip(*tail)]
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "train_tokens_in_split": stream.numel(),
-              "tokens_seen": args.steps * args.batch * args.seq_len, "train_seconds": seconds,
+              "tokens_seen": args.steps * args.batch * args.seq_len, "onpolicy_seconds": gen_seconds,
+              "train_seconds": seconds,
               "params": sum(p.numel() for p in head.parameters()), "tail_loss": means[0],
               "tail_top1_agreement_per_step": means[1:]}
     (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")

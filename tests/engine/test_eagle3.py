@@ -146,6 +146,26 @@ def test_training_ttt_unroll_equals_the_engine_draft_loop(target_dir, head):
         assert torch.allclose(steps[j][draft_ids], ttt[j][0, a], atol=1e-4)
 
 
+
+def test_training_head_loads_a_saved_head_for_a_warm_start(target_dir, head):
+    """scripts/train_eagle3.py --init: a saved head's tensors go back into the trainable head
+    unchanged; a missing or misshapen tensor is refused by name."""
+    from scripts.eagle3_training import TrainableEagle3
+
+    path, tensors = head
+    target = load_model(target_dir)
+    draft_ids = torch.arange(96) + tensors["d2t"]
+    m = TrainableEagle3(32, 48, 4, 2, 8, 1e-6, 10000.0, target.model.embed, draft_ids)
+    m.load_checkpoint_tensors(load_file(str(path / "model.safetensors")))
+    saved = m.checkpoint_tensors()
+    assert set(saved) == set(tensors)
+    for k, v in tensors.items():
+        assert torch.equal(saved[k], v), k
+    with pytest.raises(ValueError, match="midlayer.hidden_norm.weight"):
+        m.load_checkpoint_tensors({k: v for k, v in tensors.items() if k != "midlayer.hidden_norm.weight"})
+    with pytest.raises(ValueError, match=r"fc.weight: shape \(32, 48\)"):
+        m.load_checkpoint_tensors({**tensors, "fc.weight": torch.zeros(32, 48)})
+
 def _prompts(n=6):
     g = torch.Generator().manual_seed(5)
     return [torch.randint(1, VOCAB, (int(length),), generator=g).tolist()
