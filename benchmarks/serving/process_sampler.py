@@ -116,7 +116,7 @@ def object_store_stats_from_metrics(url: str) -> dict | None:
 
     Unlike :func:`object_store_stats` this sends nothing to Ray: it reads the agent's HTTP endpoint,
     which serves what the raylet pushes anyway. Polling the raylet (``FormatGlobalMemoryInfo``, a
-    new GCS client and gRPC channel per call) grows the raylet's own RSS by ~15 KiB a call
+    new GCS client and gRPC channel per call) grows the raylet's own RSS by ~14 KiB a call
     (docs/BENCHMARKS.md, "Soak"), which a memory-flatness check must not measure.
     """
     import httpx
