@@ -212,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", help="Ray cluster to deploy onto (default: $RAY_ADDRESS; unset: start a "
                                           "local Ray that listens on 127.0.0.1 only)")
     args = parser.parse_args(argv)
-    # SIGTERM (docker stop, Kubernetes, systemd) shuts down like Ctrl-C, also during start-up
-    # (ray.init installs its own handler, so start() puts ours back).
-    signal.signal(signal.SIGTERM, _sigterm)
+    install_signal_handlers()
     try:
         config = apply_overrides(load_yaml(args.config, ServeConfig), args)
         url = start(config, address=args.address, sigterm=_sigterm)
@@ -240,6 +238,16 @@ def main(argv: list[str] | None = None) -> int:
         stop()
         print(f"specmoe: stopped in {time.monotonic() - t0:.1f} s")
     return 0
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM (docker stop, Kubernetes, systemd) shuts down like Ctrl-C, also during start-up
+    (ray.init installs its own SIGTERM handler, so start() puts ours back). SIGINT raises
+    KeyboardInterrupt even when the server was started in the background by a non-interactive
+    shell (``python serve_app.py &``, a script or a Makefile recipe): POSIX shells start such jobs
+    with SIGINT ignored, and Python then installs no handler, so Ctrl-C / ``kill -INT`` did nothing."""
+    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _sigterm(*_) -> None:

@@ -7,7 +7,9 @@ Starts ``serve_app.py --config configs/embedded.yaml`` (what ``make serve`` runs
 Ray; ``RAY_ADDRESS`` is removed from its environment) and keeps ``--concurrency`` clients busy for
 ``--duration-s`` with a mix of greedy completions, streams the client abandons mid-way and bad
 requests (``benchmarks/serving/soak_requests.py``). Meanwhile it samples the RSS of every process of
-the app and the object store's use (``benchmarks/serving/process_sampler.py``).
+the app and the object store's use (``benchmarks/serving/process_sampler.py``; the object store as
+the raylet reports it to the node's metrics endpoint, not by asking the raylet: a
+``ray memory``-style query grows the raylet it measures, docs/BENCHMARKS.md "Soak").
 
 Verdict (exit status 0 only if all hold):
 

@@ -96,3 +96,18 @@ def test_two_batch_overlap_override(value):
     assert serve_app.apply_overrides(config, argparse.Namespace(
         host=None, port=None, speculative_method=None, num_speculative_tokens=None,
         speculative_policy=None)).experts.two_batch_overlap is value  # unset: kept
+
+
+def test_sigint_stops_the_server_even_when_started_with_it_ignored():
+    # `python serve_app.py &` from a script: the shell starts the job with SIGINT ignored.
+    import signal
+
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        serve_app.install_signal_handlers()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is serve_app._sigterm
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])

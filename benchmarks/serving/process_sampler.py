@@ -6,6 +6,10 @@ proxy, and the workers of the ingress and verifier replicas, the expert actors a
 actor. Ray workers name themselves in their command line (``ray::ServeReplica:specmoe:verifier``,
 ``ray::ExpertWorker``, ``ray::DraftServer.propose`` while running a method); non-worker processes
 are named after their executable (``gcs_server``, ``raylet``) or Python module/script.
+
+The sampler only reads: ``/proc`` (psutil) and the node's Prometheus endpoint (the dashboard
+agent's, where the raylet pushes its object-store gauges anyway). It sends nothing to the GCS or
+the raylet, whose memory it measures.
 """
 
 from __future__ import annotations
@@ -14,12 +18,17 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
 from benchmarks.serving.server_process import process_tree
 
 _GCS_ADDRESS = re.compile(r"--gcs-address=(\S+)")
+_RAYLET_SOCKET = re.compile(r"--raylet_socket_name=(\S+)")
+# Prometheus text lines of the object-store gauges the raylet reports (labels, value)
+_STORE_METRIC = re.compile(r'^ray_object_store_(used_memory|num_local_objects)\{[^}]*\} (\S+)$', re.M)
+_SPILLED_METRIC = re.compile(r'^ray_object_store_memory\{[^}]*Location="SPILLED"[^}]*\} (\S+)$', re.M)
 
 
 def process_label(cmdline: list[str]) -> str:
@@ -83,6 +92,49 @@ def object_store_stats(address: str) -> dict:
             "bytes_spilled": stats.spilled_bytes_total}
 
 
+def metrics_export_url(pid: int) -> str | None:
+    """URL of the Prometheus endpoint of the Ray that server process ``pid`` started: the node's
+    dashboard agent serves every component's metrics there; it writes the port it picked to
+    ``<session dir>/metrics_export_port_<node id>`` (the raylet's socket lives in ``<session
+    dir>/sockets/``). None if there is none (yet)."""
+    for p in process_tree(pid):
+        try:
+            match = _RAYLET_SOCKET.search(" ".join(p.cmdline()))
+        except psutil.Error:
+            continue
+        if match:
+            ports = sorted(Path(match[1]).parents[1].glob("metrics_export_port_*"))
+            return f"http://127.0.0.1:{ports[0].read_text().strip()}/metrics" if ports else None
+    return None
+
+
+def object_store_stats_from_metrics(url: str) -> dict | None:
+    """Object-store use as the raylet last reported it to the metrics agent (every
+    ``metrics_report_interval_ms``, 10 s by default): the same ``bytes_used`` / ``num_objects`` as
+    :func:`object_store_stats` (the plasma store's allocated bytes and local object count), and
+    ``bytes_spilled``. None while the raylet has not reported yet.
+
+    Unlike :func:`object_store_stats` this sends nothing to Ray: it reads the agent's HTTP endpoint,
+    which serves what the raylet pushes anyway. Polling the raylet (``FormatGlobalMemoryInfo``, a
+    new GCS client and gRPC channel per call) grows the raylet's own RSS by ~14 KiB a call
+    (docs/BENCHMARKS.md, "Soak"), which a memory-flatness check must not measure.
+    """
+    import httpx
+
+    return parse_store_metrics(httpx.get(url, timeout=10).text)
+
+
+def parse_store_metrics(text: str) -> dict | None:
+    """``bytes_used``, ``num_objects``, ``bytes_spilled`` from a Prometheus text page of one node
+    (:func:`object_store_stats_from_metrics`); None if the raylet's gauges are not on it."""
+    values = {name: float(v) for name, v in _STORE_METRIC.findall(text)}
+    if len(values) < 2:
+        return None
+    spilled = _SPILLED_METRIC.search(text)
+    return {"bytes_used": int(values["used_memory"]), "num_objects": int(values["num_local_objects"]),
+            "bytes_spilled": int(float(spilled[1])) if spilled else 0}
+
+
 @dataclass
 class MemorySample:
     """One sample: ``t_s`` seconds since sampling began; RSS bytes per ``label[pid]``."""
@@ -100,7 +152,7 @@ class MemorySampler:
     pid: int
     samples: list[MemorySample] = field(default_factory=list)
     _start_s: float = field(default_factory=time.monotonic)
-    _address: str | None = None
+    _metrics_url: str | None = None
 
     def sample(self) -> MemorySample:
         rss = {}
@@ -109,12 +161,12 @@ class MemorySampler:
                 rss[f"{process_label(p.cmdline())}[{p.pid}]"] = p.memory_info().rss
             except psutil.Error:
                 continue
-        self._address = self._address or gcs_address(self.pid)
+        self._metrics_url = self._metrics_url or metrics_export_url(self.pid)
         store = None
-        if self._address is not None:
+        if self._metrics_url is not None:
             try:
-                store = object_store_stats(self._address)
-            except Exception:  # a busy raylet: this sample has no object-store figure
+                store = object_store_stats_from_metrics(self._metrics_url)
+            except Exception:  # a busy agent: this sample has no object-store figure
                 store = None
         s = MemorySample(time.monotonic() - self._start_s, rss, store, os.getloadavg()[0])
         self.samples.append(s)
