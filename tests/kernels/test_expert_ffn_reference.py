@@ -28,7 +28,8 @@ def test_linear_layout_leaves_vectors_alone():
 
 @pytest.mark.parametrize("counts", [[0, 2, 0, 0, 0, 1], [3, 1, 2, 0, 4, 1]], ids=["few-experts", "most-experts"])
 def test_reference_runs_each_used_expert_on_its_rows(counts):
-    # Few used experts take per-expert views, most take one unbind: both give each expert's SwiGLU.
+    # Few used experts loop over them, most take the grouped GEMMs: each expert's own SwiGLU of its
+    # rows, bit for bit, either way.
     g = torch.Generator().manual_seed(sum(counts))
     num, hidden, inter = len(counts), 24, 40
     wg, wu = (linear_layout(torch.randn(num, inter, hidden, generator=g)) for _ in range(2))
@@ -42,3 +43,17 @@ def test_reference_runs_each_used_expert_on_its_rows(counts):
             want.append(swiglu(x[start:start + n], wg[e], wu[e], wd[e]))
             start += n
     assert torch.equal(got, torch.cat(want) * rw[:, None])
+
+
+def test_reference_without_grouped_mm_strides_gives_the_same_bits():
+    # Rows with a 100-byte stride are not what F.grouped_mm takes: the per-expert loop runs instead.
+    g = torch.Generator().manual_seed(3)
+    counts = [2, 0, 3, 1]
+    wg, wu = (linear_layout(torch.randn(4, 40, 24, generator=g)) for _ in range(2))
+    wd = linear_layout(torch.randn(4, 24, 40, generator=g))
+    wide = torch.randn(6, 25, generator=g)
+    strided, packed = wide[:, :24], wide[:, :24].contiguous()
+    assert strided.stride() == (25, 1)
+    got = expert_ffn_reference(strided, torch.tensor(counts), wg, wu, wd)
+    assert torch.equal(got, expert_ffn_reference(packed, torch.tensor(counts), wg, wu, wd))
+    assert torch.equal(got[2:5], swiglu(packed[2:5], wg[2], wu[2], wd[2]))
