@@ -33,7 +33,7 @@ from engine.config import ModelConfig
 from engine.expert_cache import CacheStats, ExpertCache, Key, Lookup
 from engine.model.moe import expert_shapes
 from engine.model.names import expert_names
-from kernels.expert_ffn import expert_ffn
+from kernels.expert_ffn import expert_ffn, linear_layout
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class OffloadedExpertStore:
                              f"layer's {len(self.expert_ids)} held experts plus {num_pinned} pinned")
         self.cache = ExpertCache(capacity, num_pinned, on_evict=self._free_slot,
                                  layer_order=list(config.moe.sparse_layers))
-        self.pool = [torch.empty((capacity, *s), dtype=dtype, device=device) for s in shapes]
+        self.pool = [linear_layout(torch.empty((capacity, *s), dtype=dtype, device=device)) for s in shapes]
         self.prefetch_enabled, self.on_load = prefetch, on_load
         cuda = torch.device(device).type == "cuda"
         self.tier = PinnedHostTier(reader, config, self.expert_ids, device) if cuda else CheckpointTier(reader, config)

@@ -16,6 +16,7 @@ composition never changes a request's output.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,10 @@ def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists:
     """
     device, batch = logits.device, len(draft_lists)
     k = max(len(d) for d in draft_lists)
+    all_greedy = all(p.temperature == 0 for p in params)
+    if k == 0 and all_greedy:  # plain greedy decoding: a view and this batch size's constants
+        draft_ids, num_draft, greedy = _no_drafts(batch, device)
+        return VerifyBatch(draft_ids, num_draft, logits[:, None], greedy)
     draft_ids = [d + [0] * (k - len(d)) for d in draft_lists]
     if k == 0:  # one row per sequence, in order (plain decoding): the layout is a view
         target_logits = logits[:, None]
@@ -86,7 +91,7 @@ def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists:
     out = VerifyBatch(torch.tensor(draft_ids, dtype=torch.int64).reshape(batch, k).to(device),
                       torch.tensor([len(d) for d in draft_lists], dtype=torch.int64).to(device), target_logits,
                       torch.tensor([p.temperature == 0 for p in params]).to(device))
-    if all(p.temperature == 0 for p in params):
+    if all_greedy:
         return out
     vocab = logits.shape[-1]
     out.draft_probs = torch.zeros(batch, k, vocab, dtype=torch.float32, device=device)
@@ -105,6 +110,14 @@ def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists:
                                      torch.tensor([p.top_k for p in params], dtype=torch.int64),
                                      torch.tensor([p.top_p for p in params], dtype=torch.float32))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _no_drafts(batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Read-only ``draft_ids`` ``(batch, 0)``, ``num_draft`` zeros and ``greedy`` all True of a plain
+    greedy step, built once per batch size instead of from host lists every step."""
+    ids = torch.zeros(batch, 0, dtype=torch.int64, device=device)
+    return ids, torch.zeros(batch, dtype=torch.int64, device=device), torch.ones(batch, dtype=torch.bool, device=device)
 
 
 def verify(batch: VerifyBatch) -> tuple[list[list[int]], list[int]]:

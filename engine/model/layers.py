@@ -16,9 +16,11 @@ from engine.model.batch import ForwardBatch, consecutive_range
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32. ``x``: ``(..., dim)``."""
-    xf = x if x.dtype == torch.float32 else x.float()  # a no-op cast still costs a dispatch
+    if x.dtype == torch.float32 and weight.dim() == 1:  # torch's op: exactly the steps below, one call
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (xf if xf.dtype == x.dtype else xf.to(x.dtype))
+    return weight * xf.to(x.dtype)
 
 
 class Rotary:

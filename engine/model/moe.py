@@ -16,7 +16,7 @@ import torch
 from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig
 from engine.model.names import expert_names
-from kernels.expert_ffn import expert_ffn
+from kernels.expert_ffn import expert_ffn, linear_layout
 from kernels.routing import RoutingResult
 
 
@@ -122,7 +122,7 @@ class ExpertStore:
                     self._reader.get(expert_names(self.config, layer, e)[which], shape, self._dtype, self._device)
                     for e in self.expert_ids
                 ]
-                stacks.append(torch.stack(tensors))
+                stacks.append(linear_layout(torch.stack(tensors)))
             self._layers[layer] = (stacks[0], stacks[1], stacks[2])
         return self._layers[layer]
 

@@ -22,7 +22,7 @@ from engine.model.dense import DenseOps
 from engine.model.layers import Rotary, grouped_attention, plan_grouped_attention, rms_norm
 from engine.model.moe import ExpertExecutor, submit_experts
 from engine.model.names import layer_prefix, mlp_names, moe_prefix, router_name
-from kernels.expert_ffn import swiglu
+from kernels.expert_ffn import linear_layout, swiglu
 from kernels.routing import topk_routing
 
 
@@ -78,7 +78,9 @@ class Transformer:
         c = config
         self.embed = load("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.norm = load("model.norm.weight", (c.hidden_size,))
-        self.lm_head = self.embed if c.tie_word_embeddings else load("lm_head.weight", (c.vocab_size, c.hidden_size))
+        # The LM head in its own (CPU: column-major) copy even when tied: the embedding is read by rows.
+        self.lm_head = linear_layout(self.embed if c.tie_word_embeddings
+                                     else load("lm_head.weight", (c.vocab_size, c.hidden_size)))
         self.layers = [self._load_layer(load, i) for i in range(c.num_layers)]
         self.dense = DenseOps(compile)
         self.predictor = self._predictor(experts)
@@ -92,8 +94,8 @@ class Transformer:
         o_bias = c.attention_bias and c.architecture != "Qwen2MoeForCausalLM"
         outs = {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}
         attn = _Attention(
-            wqkv=torch.cat([load(f"{a}{n}.weight", (o, c.hidden_size)) for n, o in outs.items()]),
-            wo=load(a + "o_proj.weight", (c.hidden_size, q_out)),
+            wqkv=linear_layout(torch.cat([load(f"{a}{n}.weight", (o, c.hidden_size)) for n, o in outs.items()])),
+            wo=load.linear(a + "o_proj.weight", (c.hidden_size, q_out)),
             bqkv=torch.cat([load(f"{a}{n}.bias", (o,)) for n, o in outs.items()]) if c.attention_bias else None,
             bo=load(a + "o_proj.bias", (c.hidden_size,)) if o_bias else None,
             qk_norm=torch.stack([load(a + "q_norm.weight", (c.head_dim,))] * c.num_heads
@@ -102,11 +104,11 @@ class Transformer:
         layer = _Layer(attn, load(p + "input_layernorm.weight", (c.hidden_size,)),
                        load(p + "post_attention_layernorm.weight", (c.hidden_size,)))
         if c.moe is not None and i in c.moe.sparse_layers:
-            layer.router = load(router_name(c, i), (c.moe.num_experts, c.hidden_size))
+            layer.router = load.linear(router_name(c, i), (c.moe.num_experts, c.hidden_size))
             if c.moe.shared_expert_intermediate_size:
                 sp = moe_prefix(c, i) + "shared_expert."
                 layer.shared = load.mlp(sp, c.moe.shared_expert_intermediate_size, c.hidden_size)
-                layer.shared_gate = load(moe_prefix(c, i) + "shared_expert_gate.weight", (1, c.hidden_size))
+                layer.shared_gate = load.linear(moe_prefix(c, i) + "shared_expert_gate.weight", (1, c.hidden_size))
         else:
             layer.mlp = load.mlp(p + "mlp.", c.intermediate_size, c.hidden_size)
         return layer
@@ -225,6 +227,10 @@ class _Loader:
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.reader.get(name, shape, self.dtype, self.device)
 
+    def linear(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
+        """A weight read by ``F.linear``, in :func:`kernels.expert_ffn.linear_layout`."""
+        return linear_layout(self(name, shape))
+
     def mlp(self, prefix: str, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g, u, d = mlp_names(prefix)
-        return self(g, (inter, hidden)), self(u, (inter, hidden)), self(d, (hidden, inter))
+        return self.linear(g, (inter, hidden)), self.linear(u, (inter, hidden)), self.linear(d, (hidden, inter))

@@ -1,0 +1,59 @@
+"""The CPU expert FFN reference and the weight layout the model's linears use on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.expert_ffn import expert_ffn_reference, linear_layout, swiglu
+
+
+def test_linear_layout_is_column_major_with_the_same_values():
+    w = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    laid = linear_layout(w)
+    assert laid.shape == (256, 128) and laid.stride() == (1, 256)
+    assert torch.equal(laid, w)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    # F.linear over it is the plain GEMM with the transposed weight as a contiguous operand.
+    assert torch.equal(F.linear(x, laid), torch.mm(x, w.t().contiguous()))
+    stack = linear_layout(torch.randn(4, 40, 24))
+    assert stack.shape == (4, 40, 24) and stack.stride() == (960, 1, 40)
+
+
+def test_linear_layout_leaves_vectors_alone():
+    v = torch.randn(128)
+    assert linear_layout(v) is v
+
+
+@pytest.mark.parametrize("counts", [[0, 2, 0, 0, 0, 1], [3, 1, 2, 0, 4, 1]], ids=["few-experts", "most-experts"])
+def test_reference_runs_each_used_expert_on_its_rows(counts):
+    # Few used experts loop over them, most take the grouped GEMMs: each expert's own SwiGLU of its
+    # rows, bit for bit, either way.
+    g = torch.Generator().manual_seed(sum(counts))
+    num, hidden, inter = len(counts), 24, 40
+    wg, wu = (linear_layout(torch.randn(num, inter, hidden, generator=g)) for _ in range(2))
+    wd = linear_layout(torch.randn(num, hidden, inter, generator=g))
+    x = torch.randn(sum(counts), hidden, generator=g)
+    rw = torch.rand(sum(counts), generator=g)
+    got = expert_ffn_reference(x, torch.tensor(counts), wg, wu, wd, rw)
+    want, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            want.append(swiglu(x[start:start + n], wg[e], wu[e], wd[e]))
+            start += n
+    assert torch.equal(got, torch.cat(want) * rw[:, None])
+
+
+def test_reference_without_grouped_mm_strides_gives_the_same_bits():
+    # Rows with a 100-byte stride are not what F.grouped_mm takes: the per-expert loop runs instead.
+    g = torch.Generator().manual_seed(3)
+    counts = [2, 0, 3, 1]
+    wg, wu = (linear_layout(torch.randn(4, 40, 24, generator=g)) for _ in range(2))
+    wd = linear_layout(torch.randn(4, 24, 40, generator=g))
+    wide = torch.randn(6, 25, generator=g)
+    strided, packed = wide[:, :24], wide[:, :24].contiguous()
+    assert strided.stride() == (25, 1)
+    got = expert_ffn_reference(strided, torch.tensor(counts), wg, wu, wd)
+    assert torch.equal(got, expert_ffn_reference(packed, torch.tensor(counts), wg, wu, wd))
+    assert torch.equal(got[2:5], swiglu(packed[2:5], wg[2], wu[2], wd[2]))
