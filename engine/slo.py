@@ -108,37 +108,40 @@ class SLOPolicy:
     def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
         """Prefill tokens this step may take so the running decodes keep their TPOT budgets.
 
-        A decode's budget for the step is its TPOT budget times the tokens it is expected to emit
-        in it (:meth:`SpeculationController.expected_tokens` at its last draft length): a step that
-        verifies k drafts emits 1 + the expected accepted tokens, so holding it to one token's
-        budget would starve the prefills of a speculating batch (the same per-token accounting as
-        the controller's own TPOT check)."""
+        A decode's allowance for the step (:func:`step_allowance_ms`) is its TPOT budget times the
+        tokens it is expected to emit in it (:meth:`SpeculationController.expected_tokens` at its
+        last draft length), plus a share of the slack it has accumulated against its TPOT
+        deadline. TPOT is judged per request, (finish - first token) / (output tokens - 1), so a
+        decode whose steps ran faster than its budget can absorb one longer step; a flat
+        per-step cap sized prefill chunks for the worst case and slowed bursts' TTFT."""
         if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
             return None
-        budgets = []
+        now, budgets = time.monotonic(), []
         for s in decodes:
             slo = self.config.slo_for(s.params.slo_class)[1]
             if slo is not None and slo.tpot_ms:
                 k = self.controller.last.k.get(s.seq_id, 0)
-                budgets.append(slo.tpot_ms * self.controller.expected_tokens(s.seq_id, k))
+                slack_s = sequence_slack_s(s, slo.tpot_ms / 1e3, now)
+                budgets.append(step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
+                                                 0.0 if slack_s is None else slack_s * 1e3))
         if not budgets:
             return None
         return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
                                    self.step_predictor())
 
     def tpot_slack(self, decodes) -> dict[str, tuple[float, float]]:
-        """(TPOT budget s, slack s) per decoding sequence with a TPOT budget, for the speculation
-        controller: slack = budget x output tokens after the first - seconds since the first
-        token (negative: behind its budget)."""
+        """(TPOT budget s, slack s) per decoding sequence with a TPOT budget and a first token, for
+        the speculation controller (:func:`sequence_slack_s`; negative: behind its budget)."""
         if not self.config.slo_classes:
             return {}
         now, out = time.monotonic(), {}
         for seq in decodes:
             slo = self.config.slo_for(seq.params.slo_class)[1]
-            first_s = seq.request.metrics.first_token_time_s
-            if slo is not None and slo.tpot_ms is not None and first_s is not None:
+            if slo is not None and slo.tpot_ms is not None:
                 budget_s = slo.tpot_ms / 1e3
-                out[seq.seq_id] = (budget_s, budget_s * max(seq.num_output_tokens - 1, 0) - (now - first_s))
+                slack_s = sequence_slack_s(seq, budget_s, now)
+                if slack_s is not None:
+                    out[seq.seq_id] = (budget_s, slack_s)
         return out
 
     def record(self, request: RequestOutput, params) -> None:
@@ -155,6 +158,29 @@ class SLOPolicy:
     def totals(self) -> dict[str, list[int]]:
         """{class: [met, finished]} since the engine started."""
         return {k: list(v) for k, v in self.counts.items()}
+
+
+SLACK_SHARE = 0.5  # share of a decode's accumulated TPOT slack that one step may spend
+
+
+def sequence_slack_s(seq, tpot_budget_s: float, now_s: float) -> float | None:
+    """Seconds a decoding sequence is ahead of its TPOT deadline: budget x output tokens after
+    the first - seconds since its first token (negative: behind; None: no first token yet).
+    Its request meets the TPOT budget iff the slack is >= 0 when it finishes."""
+    first_s = seq.request.metrics.first_token_time_s
+    if first_s is None:
+        return None
+    return tpot_budget_s * max(seq.num_output_tokens - 1, 0) - (now_s - first_s)
+
+
+def step_allowance_ms(tpot_ms: float, expected_tokens: float, slack_ms: float) -> float:
+    """Step time a decode allows, ms: its TPOT budget for each token it is expected to emit in
+    the step, plus ``SLACK_SHARE`` of its slack (ms ahead of its TPOT deadline; none when behind).
+
+    Spending only a share keeps a reserve for the steps after (each later step may spend a share
+    of what is left), and a decode behind its budget still allows its per-token budget: holding
+    steps under that would stall every prefill without letting it catch up."""
+    return tpot_ms * expected_tokens + SLACK_SHARE * max(0.0, slack_ms)
 
 
 def wait_estimate_s(tokens_ahead: int, prefill_tokens_per_step: int, decode_tokens: int,

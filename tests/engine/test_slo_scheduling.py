@@ -1,5 +1,7 @@
 """Latency budgets in the scheduler: priorities, earliest-deadline order, refusal, attainment."""
 
+import time
+
 import msgspec
 import pytest
 
@@ -217,9 +219,82 @@ def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to
     policy = SLOPolicy(sched, controller)
     linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
     controller.predict_step_s = linear
-    spec = SimpleNamespace(seq_id="spec", params=SamplingParams(max_tokens=8))
-    plain = SimpleNamespace(seq_id="plain", params=SamplingParams(max_tokens=8))
+    fresh = SimpleNamespace(metrics=RequestMetrics(arrival_time_s=0.0))  # no first token yet: no slack
+    spec = SimpleNamespace(seq_id="spec", params=SamplingParams(max_tokens=8), request=fresh, num_output_tokens=0)
+    plain = SimpleNamespace(seq_id="plain", params=SamplingParams(max_tokens=8), request=fresh, num_output_tokens=0)
     # alone, the speculating decode allows 20 ms x E tokens; beside a plain decode, 20 ms binds
     assert policy.prefill_limit([spec], 5) == prefill_token_limit([20.0 * expected], 5, 4096, linear)
     assert policy.prefill_limit([spec], 5) > 4 * prefill_token_limit([20.0], 5, 4096, linear)  # 744 vs 145
     assert policy.prefill_limit([spec, plain], 6) == prefill_token_limit([20.0], 6, 4096, linear) == 144
+
+
+def test_a_decode_ahead_of_its_tpot_deadline_lets_a_larger_chunk_through(monkeypatch):
+    """TPOT is judged per request ((finish - first token) / (tokens - 1)), so a decode whose
+    steps ran under budget can absorb a longer step: it allows its per-token budget plus half its
+    slack. One on its deadline, behind it or without a first token allows the per-token budget."""
+    from types import SimpleNamespace
+
+    from engine import slo as slo_module
+    from engine.scheduler import Scheduler
+    from engine.slo import SLOPolicy, sequence_slack_s, step_allowance_ms
+    from engine.spec_controller import Decision, SpeculationController
+
+    monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    controller = SpeculationController(max_k=4)
+    controller.last = Decision(k={})
+    linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    controller.predict_step_s = linear
+    policy = SLOPolicy(Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={
+        "i": SLOClass(tpot_ms=20.0)}, default_slo_class="i")), controller)
+
+    def decode(sid, first_token_s, tokens):
+        metrics = RequestMetrics(arrival_time_s=990.0, first_token_time_s=first_token_s)
+        return SimpleNamespace(seq_id=sid, params=SamplingParams(max_tokens=64), num_output_tokens=tokens,
+                               request=SimpleNamespace(metrics=metrics))
+
+    ahead = decode("ahead", 999.9, 11)  # 10 tokens in 100 ms against 200 ms of budget: 100 ms ahead
+    on_time, behind = decode("on_time", 999.8, 11), decode("behind", 999.0, 11)
+    fresh = decode("fresh", None, 0)
+    assert sequence_slack_s(ahead, 0.02, 1000.0) == pytest.approx(0.1)
+    assert sequence_slack_s(on_time, 0.02, 1000.0) == pytest.approx(0.0, abs=1e-9)
+    assert sequence_slack_s(behind, 0.02, 1000.0) == pytest.approx(-0.8)
+    assert sequence_slack_s(fresh, 0.02, 1000.0) is None
+    assert step_allowance_ms(20.0, 1.0, 100.0) == 70.0 and step_allowance_ms(20.0, 1.0, -800.0) == 20.0
+    flat = prefill_token_limit([20.0], 1, 4096, linear)
+    assert 148 <= flat <= 149  # 5 ms + 0.1 ms x (1 + c) <= 20 ms
+    assert 648 <= policy.prefill_limit([ahead], 1) <= 649  # 5 + 0.1 x (1 + c) <= 20 + 100 / 2 ms
+    for other in (on_time, behind, fresh):
+        assert policy.prefill_limit([other], 1) == flat
+        assert policy.prefill_limit([ahead, other], 2) == prefill_token_limit([20.0], 2, 4096, linear)  # tightest
+    assert policy.tpot_slack([ahead, fresh]) == {"ahead": (0.02, pytest.approx(0.1))}
+
+
+def test_slack_sized_chunks_in_the_engine():
+    """The engine's own chunk: a running decode that is 1 s ahead of its TPOT deadline lets the
+    whole ~865-token prompt through in one step; the same decode on its deadline caps the chunk
+    at what one TPOT budget allows."""
+    engine = engine_with(seqs=4, enable_chunked_prefill=True)
+    p = prompt_ids(30, 400)
+    for n in (10, 100, 300):  # steps of different sizes: the cost model can tell tokens apart
+        engine.add_request(f"w{n}", p[n % 7][:n], SamplingParams(temperature=0.0, max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    tpot_ms = engine.controller.predict_step_s(300) * 1e3  # a budget that fits ~300 tokens a step
+    engine.scheduler.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
+                                              slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)})
+    engine.add_request("short", p[0][:20], SamplingParams(temperature=0.0, max_tokens=40, slo_class="interactive"))
+    for _ in range(3):
+        engine.step()
+    long = [t for q in p[1:6] for t in q][:900]
+    engine.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=2))
+    short = engine._requests["short"][0]
+    assert short.num_output_tokens == 3
+    limits = {}
+    for name, slack_s in (("on_time", 0.0), ("ahead", 1.0)):  # first token placed to give this slack
+        short.request.metrics.first_token_time_s = time.monotonic() - 2 * tpot_ms / 1e3 + slack_s
+        limits[name] = engine.slo.prefill_limit([short], 1)
+    assert len(long) > 800 and 100 < limits["on_time"] < len(long)
+    assert limits["on_time"] <= prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
+    assert limits["ahead"] >= len(long) > limits["on_time"]
+    out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limits["ahead"])
+    assert out.chunks["long-0"] == len(long) and [s.seq_id for s in out.decodes] == ["short-0"]
