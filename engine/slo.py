@@ -77,7 +77,7 @@ class SLOPolicy:
         DeadlineUnattainable when the prefill work the
         scheduler would run before this request (``Scheduler.prefill_tokens_ahead``), its own
         prompt included, cannot finish within the class's TTFT budget beside the running
-        ``decodes`` (:func:`wait_estimate_s`)."""
+        ``decodes``, which leave as they finish (:meth:`prefill_phases`, :func:`wait_estimate_s`)."""
         if params.slo_class is not None and params.slo_class not in self.config.slo_classes:
             raise RequestError(f"'slo_class' must be one of {sorted(self.config.slo_classes)}, got "
                                f"{params.slo_class!r}", param="slo_class")
@@ -86,9 +86,7 @@ class SLOPolicy:
             return
         deadline_s = time.monotonic() + slo.ttft_ms / 1e3
         ahead = self.scheduler.prefill_tokens_ahead(params.priority, deadline_s) + prompt_len
-        reserved = sum(self.decode_tokens(s) for s in decodes)
-        per_step = self.scheduler.prefill_tokens_per_step(reserved, self.prefill_limit(decodes, reserved))
-        wait_s = wait_estimate_s(ahead, per_step, reserved, self.step_predictor())
+        wait_s = wait_estimate_s(ahead, self.prefill_phases(decodes), self.step_predictor())
         if wait_s * 1e3 > slo.ttft_ms:
             raise DeadlineUnattainable(
                 f"slo_class {self.config.slo_for(params.slo_class)[0]!r}: the TTFT budget of {slo.ttft_ms:g} ms "
@@ -97,6 +95,31 @@ class SLOPolicy:
     def decode_tokens(self, seq) -> int:
         """Target tokens a decoding sequence takes in a step: 1 + its draft length last step."""
         return 1 + self.controller.last.k.get(seq.seq_id, 0)
+
+    def steps_left(self, seq) -> int:
+        """Steps until a decoding sequence reaches ``max_tokens``, at the tokens a step it is
+        expected to emit at its last draft length (a stop string or EOS may end it sooner)."""
+        k = self.controller.last.k.get(seq.seq_id, 0)
+        left = max(seq.params.max_tokens - seq.num_output_tokens, 0)
+        return math.ceil(left / self.controller.expected_tokens(seq.seq_id, k))
+
+    def prefill_phases(self, decodes) -> list[tuple[float, int, int]]:
+        """The steps ahead as phases (steps, decode target tokens, prefill tokens a step): each
+        phase ends when the next running decode is expected to finish, which takes its tokens and
+        its TPOT constraint off the step (the short outputs of a burst free the budget within a
+        few steps); the last phase, with the decodes left, is unbounded (``math.inf`` steps).
+        Prompts prefilled meanwhile join as decodes in reality: this is the optimistic side."""
+        left = sorted(decodes, key=self.steps_left)
+        phases, done = [], 0
+        while True:
+            reserved = sum(self.decode_tokens(s) for s in left)
+            per_step = self.scheduler.prefill_tokens_per_step(reserved, self.prefill_limit(left, reserved))
+            if not left:
+                return phases + [(math.inf, reserved, per_step)]
+            end = self.steps_left(left[0])
+            if end > done:
+                phases.append((end - done, reserved, per_step))
+            done, left = end, [s for s in left if self.steps_left(s) > end]
 
     def step_predictor(self) -> Callable[[int], float]:
         """Predicted step seconds for a number of target tokens: the target forward and, drafting
@@ -183,16 +206,35 @@ def step_allowance_ms(tpot_ms: float, expected_tokens: float, slack_ms: float) -
     return tpot_ms * expected_tokens + SLACK_SHARE * max(0.0, slack_ms)
 
 
-def wait_estimate_s(tokens_ahead: int, prefill_tokens_per_step: int, decode_tokens: int,
+def wait_estimate_s(tokens_ahead: int, phases: list[tuple[float, int, int]],
                     predict_step_s: Callable[[int], float]) -> float:
-    """Seconds until ``tokens_ahead`` prefill tokens (this prompt's included) are through, at
-    ``prefill_tokens_per_step`` a step beside ``decode_tokens`` decode tokens, each step's time
-    predicted by ``predict_step_s`` (target tokens -> s): full steps, then the remainder."""
-    if prefill_tokens_per_step <= 0:
-        return math.inf
-    steps, rest = divmod(tokens_ahead, prefill_tokens_per_step)
-    full_s = steps * predict_step_s(decode_tokens + prefill_tokens_per_step)
-    return full_s + (predict_step_s(decode_tokens + rest) if rest else 0.0)
+    """Seconds until ``tokens_ahead`` prefill tokens (this prompt's included) are through.
+
+    Args:
+        tokens_ahead: prompt tokens to prefill, this prompt's last.
+        phases: (steps, decode target tokens, prefill tokens a step) in order, the last one with
+            ``math.inf`` steps (:meth:`SLOPolicy.prefill_phases`).
+        predict_step_s: step seconds for a number of target tokens.
+
+    Returns:
+        The predicted seconds of the full steps and the step with the remainder (inf when the
+        last phase prefills nothing).
+    """
+    wait_s = 0.0
+    for steps, decode_tokens, per_step in phases:
+        if per_step <= 0:
+            if math.isinf(steps):
+                return math.inf
+            wait_s += steps * predict_step_s(decode_tokens)
+            continue
+        full = min(steps, tokens_ahead // per_step)
+        wait_s += full * predict_step_s(decode_tokens + per_step)
+        tokens_ahead -= full * per_step
+        if tokens_ahead <= 0:
+            return wait_s
+        if full < steps:  # the remainder goes in this phase's next step
+            return wait_s + predict_step_s(decode_tokens + tokens_ahead)
+    return math.inf
 
 
 def prefill_token_limit(step_budgets_ms: list[float], decode_tokens: int, max_tokens: int,

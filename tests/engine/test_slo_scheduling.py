@@ -191,9 +191,14 @@ def test_refusal_counts_only_the_prefill_work_scheduled_ahead():
 
 def test_wait_estimate_is_full_steps_then_the_remainder():
     linear = lambda tokens: 0.005 + 0.0001 * tokens  # noqa: E731
-    assert wait_estimate_s(130, 64, 10, linear) == pytest.approx(2 * linear(74) + linear(12))
-    assert wait_estimate_s(128, 64, 10, linear) == pytest.approx(2 * linear(74))
-    assert wait_estimate_s(10, 0, 10, linear) == float("inf")
+    inf = float("inf")
+    assert wait_estimate_s(130, [(inf, 10, 64)], linear) == pytest.approx(2 * linear(74) + linear(12))
+    assert wait_estimate_s(128, [(inf, 10, 64)], linear) == pytest.approx(2 * linear(74))
+    assert wait_estimate_s(10, [(inf, 10, 0)], linear) == inf
+    # 1 step of 64 beside 10 decode tokens, 2 steps that prefill nothing (20 decode tokens), then 100 a step
+    phases = [(1, 10, 64), (2, 20, 0), (inf, 0, 100)]
+    assert wait_estimate_s(300, phases, linear) == pytest.approx(linear(74) + 2 * linear(20) + 2 * linear(100) + linear(36))
+    assert wait_estimate_s(50, phases, linear) == pytest.approx(linear(60))
 
 
 def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to_emit():
@@ -298,3 +303,44 @@ def test_slack_sized_chunks_in_the_engine():
     assert limits["ahead"] >= len(long) > limits["on_time"]
     out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limits["ahead"])
     assert out.chunks["long-0"] == len(long) and [s.seq_id for s in out.decodes] == ["short-0"]
+
+
+def test_the_wait_estimate_frees_the_budget_as_running_decodes_finish(monkeypatch):
+    """A decode with 2 tokens left under a tight TPOT budget caps prefill chunks for 2 steps
+    only; a looser one with 5 left for 3 more; then the step's whole token budget prefills. The
+    old estimate held the tightest cap for the whole wait (a burst of short completions, whose
+    decodes end within a few steps, had later requests refused that FCFS served in time)."""
+    from types import SimpleNamespace
+
+    from engine import slo as slo_module
+    from engine.scheduler import Scheduler
+    from engine.slo import SLOPolicy
+    from engine.spec_controller import Decision, SpeculationController
+
+    monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    controller = SpeculationController(max_k=4)
+    controller.last = Decision(k={})
+    linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    controller.predict_step_s = linear
+    policy = SLOPolicy(Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={
+        "tight": SLOClass(tpot_ms=20.0), "loose": SLOClass(tpot_ms=100.0)})), controller)
+
+    def decode(sid, slo_class, tokens, max_tokens):  # on its TPOT deadline: no slack
+        first = 1000.0 - {"tight": 0.02, "loose": 0.1}[slo_class] * (tokens - 1)
+        return SimpleNamespace(seq_id=sid, params=SamplingParams(max_tokens=max_tokens, slo_class=slo_class),
+                               num_output_tokens=tokens,
+                               request=SimpleNamespace(metrics=RequestMetrics(0.0, first_token_time_s=first)))
+
+    tight, loose = decode("a", "tight", 11, 13), decode("b", "loose", 4, 9)
+    assert policy.steps_left(tight) == 2 and policy.steps_left(loose) == 5
+    phases = policy.prefill_phases([loose, tight])
+    assert [p[:2] for p in phases] == [(2, 2), (3, 1), (float("inf"), 0)]
+    assert phases[0][2] == policy.prefill_limit([loose, tight], 2) and 140 <= phases[0][2] <= 148
+    assert phases[1][2] == policy.prefill_limit([loose], 1) and 940 <= phases[1][2] <= 949
+    assert phases[2][2] == 4096
+    p1, p2 = phases[0][2], phases[1][2]
+    rest = 4000 - 2 * p1 - 3 * p2
+    assert wait_estimate_s(4000, phases, linear) == pytest.approx(
+        2 * linear(2 + p1) + 3 * linear(1 + p2) + linear(rest))  # 0.43 s
+    held = wait_estimate_s(4000, [(float("inf"), 2, p1)], linear)  # the tight cap for the whole wait
+    assert held > 0.52 and wait_estimate_s(4000, phases, linear) < 0.44
