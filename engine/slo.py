@@ -131,26 +131,29 @@ class SLOPolicy:
     def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
         """Prefill tokens this step may take so the running decodes keep their TPOT budgets.
 
-        A decode's allowance for the step (:func:`step_allowance_ms`) is its TPOT budget times the
-        tokens it is expected to emit in it (:meth:`SpeculationController.expected_tokens` at its
-        last draft length), plus a share of the slack it has accumulated against its TPOT
-        deadline. TPOT is judged per request, (finish - first token) / (output tokens - 1), so a
-        decode whose steps ran faster than its budget can absorb one longer step; a flat
-        per-step cap sized prefill chunks for the worst case and slowed bursts' TTFT."""
+        TPOT is judged per request, (finish - first token) / (output tokens - 1), so a decode may
+        absorb a longer step as long as its whole remaining output still fits its budget. Its
+        allowance for the step (:func:`step_allowance_ms`) is the decode-only step time plus a
+        share of its projected slack (:func:`projected_slack_s`: the time its TPOT budget leaves
+        over its remaining decode-only steps), and never less than its TPOT budget times the
+        tokens it is expected to emit in the step (:meth:`SpeculationController.expected_tokens`
+        at its last draft length). A flat per-step cap sized chunks for the worst case and slowed
+        bursts' TTFT: the production mix's 13-token completions have 50 ms x 12 of TPOT budget
+        and decode steps of ~10-20 ms."""
         if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
             return None
-        now, budgets = time.monotonic(), []
+        predict = self.step_predictor()
+        now, decode_s, budgets = time.monotonic(), predict(decode_tokens), []
         for s in decodes:
             slo = self.config.slo_for(s.params.slo_class)[1]
             if slo is not None and slo.tpot_ms:
                 k = self.controller.last.k.get(s.seq_id, 0)
-                slack_s = sequence_slack_s(s, slo.tpot_ms / 1e3, now)
+                slack_s = projected_slack_s(s, slo.tpot_ms / 1e3, now, self.steps_left(s), decode_s)
                 budgets.append(step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
-                                                 0.0 if slack_s is None else slack_s * 1e3))
+                                                 decode_s * 1e3, None if slack_s is None else slack_s * 1e3))
         if not budgets:
             return None
-        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
-                                   self.step_predictor())
+        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens, predict)
 
     def tpot_slack(self, decodes) -> dict[str, tuple[float, float]]:
         """(TPOT budget s, slack s) per decoding sequence with a TPOT budget and a first token, for
@@ -196,14 +199,32 @@ def sequence_slack_s(seq, tpot_budget_s: float, now_s: float) -> float | None:
     return tpot_budget_s * max(seq.num_output_tokens - 1, 0) - (now_s - first_s)
 
 
-def step_allowance_ms(tpot_ms: float, expected_tokens: float, slack_ms: float) -> float:
-    """Step time a decode allows, ms: its TPOT budget for each token it is expected to emit in
-    the step, plus ``SLACK_SHARE`` of its slack (ms ahead of its TPOT deadline; none when behind).
+def projected_slack_s(seq, tpot_budget_s: float, now_s: float, steps_left: int, decode_step_s: float) -> float | None:
+    """Seconds a decoding sequence can still lose and meet its TPOT budget: the budget for all of
+    its output after the first token (budget x (max_tokens - 1)), less the time since its first
+    token and its ``steps_left`` remaining steps at ``decode_step_s`` each (None: no first token).
+    Negative: it is behind, even if no step runs longer than a decode-only one."""
+    first_s = seq.request.metrics.first_token_time_s
+    if first_s is None:
+        return None
+    whole_s = tpot_budget_s * max(seq.params.max_tokens - 1, 0)
+    return whole_s - (now_s - first_s) - steps_left * decode_step_s
+
+
+def step_allowance_ms(tpot_ms: float, expected_tokens: float, decode_step_ms: float,
+                      slack_ms: float | None) -> float:
+    """Step time a decode allows, ms: the decode-only step (``decode_step_ms``) plus
+    ``SLACK_SHARE`` of its projected slack, at least its TPOT budget for each token it is expected
+    to emit in the step (also when it has no slack, or no first token: ``slack_ms`` None).
 
     Spending only a share keeps a reserve for the steps after (each later step may spend a share
-    of what is left), and a decode behind its budget still allows its per-token budget: holding
-    steps under that would stall every prefill without letting it catch up."""
-    return tpot_ms * expected_tokens + SLACK_SHARE * max(0.0, slack_ms)
+    of what is left, and an EOS before ``max_tokens`` leaves fewer tokens to average over), and a
+    decode behind its budget still allows its per-token budget: holding steps under that would
+    stall every prefill without letting it catch up."""
+    floor_ms = tpot_ms * expected_tokens
+    if slack_ms is None or slack_ms <= 0:
+        return floor_ms
+    return max(floor_ms, decode_step_ms + SLACK_SHARE * slack_ms)
 
 
 def wait_estimate_s(tokens_ahead: int, phases: list[tuple[float, int, int]],

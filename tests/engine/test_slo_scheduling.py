@@ -138,7 +138,9 @@ def test_tpot_budgets_cap_the_prefill_chunk():
     engine.add_request("short", p[0][:20], SamplingParams(temperature=0.0, max_tokens=40, slo_class="interactive"))
     engine.step()
     engine.add_request("long", [t for q in p[1:6] for t in q][:900], SamplingParams(temperature=0.0, max_tokens=2))
-    limit = engine.slo.prefill_limit([engine._requests["short"][0]], 1)
+    short = engine._requests["short"][0]  # its TPOT budget already spent: no slack, the flat cap
+    short.request.metrics.first_token_time_s = time.monotonic() - 39 * tpot_ms / 1e3
+    limit = engine.slo.prefill_limit([short], 1)
     assert limit == prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
     assert limit is not None and 100 < limit < 900
     out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limit)
@@ -233,15 +235,16 @@ def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to
     assert policy.prefill_limit([spec, plain], 6) == prefill_token_limit([20.0], 6, 4096, linear) == 144
 
 
-def test_a_decode_ahead_of_its_tpot_deadline_lets_a_larger_chunk_through(monkeypatch):
+def test_a_decode_with_tpot_slack_lets_a_larger_chunk_through(monkeypatch):
     """TPOT is judged per request ((finish - first token) / (tokens - 1)), so a decode whose
-    steps ran under budget can absorb a longer step: it allows its per-token budget plus half its
-    slack. One on its deadline, behind it or without a first token allows the per-token budget."""
+    remaining output fits its budget with time to spare can absorb a longer step: it allows the
+    decode-only step plus half its projected slack. One without slack, behind its budget or
+    without a first token allows its per-token budget (the flat cap)."""
     from types import SimpleNamespace
 
     from engine import slo as slo_module
     from engine.scheduler import Scheduler
-    from engine.slo import SLOPolicy, sequence_slack_s, step_allowance_ms
+    from engine.slo import SLOPolicy, projected_slack_s, step_allowance_ms
     from engine.spec_controller import Decision, SpeculationController
 
     monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
@@ -252,32 +255,39 @@ def test_a_decode_ahead_of_its_tpot_deadline_lets_a_larger_chunk_through(monkeyp
     policy = SLOPolicy(Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={
         "i": SLOClass(tpot_ms=20.0)}, default_slo_class="i")), controller)
 
-    def decode(sid, first_token_s, tokens):
+    def decode(sid, first_token_s, tokens, max_tokens=12):
         metrics = RequestMetrics(arrival_time_s=990.0, first_token_time_s=first_token_s)
-        return SimpleNamespace(seq_id=sid, params=SamplingParams(max_tokens=64), num_output_tokens=tokens,
+        return SimpleNamespace(seq_id=sid, params=SamplingParams(max_tokens=max_tokens), num_output_tokens=tokens,
                                request=SimpleNamespace(metrics=metrics))
 
-    ahead = decode("ahead", 999.9, 11)  # 10 tokens in 100 ms against 200 ms of budget: 100 ms ahead
-    on_time, behind = decode("on_time", 999.8, 11), decode("behind", 999.0, 11)
+    # 11 of 12 tokens out; the whole output may take 20 ms x 11 = 220 ms after the first token and
+    # the last step, decode-only, takes 5.1 ms (1 target token)
+    ahead = decode("ahead", 999.9, 11)  # 100 ms used: 114.9 ms of slack
+    on_time, behind = decode("on_time", 999.8, 11), decode("behind", 999.0, 11)  # 14.9 ms; -785.1 ms
+    started = decode("started", 1000.0, 1, max_tokens=13)  # first token now: 240 - 12 x 5.1 = 178.8 ms
     fresh = decode("fresh", None, 0)
-    assert sequence_slack_s(ahead, 0.02, 1000.0) == pytest.approx(0.1)
-    assert sequence_slack_s(on_time, 0.02, 1000.0) == pytest.approx(0.0, abs=1e-9)
-    assert sequence_slack_s(behind, 0.02, 1000.0) == pytest.approx(-0.8)
-    assert sequence_slack_s(fresh, 0.02, 1000.0) is None
-    assert step_allowance_ms(20.0, 1.0, 100.0) == 70.0 and step_allowance_ms(20.0, 1.0, -800.0) == 20.0
+    slack = {d.seq_id: projected_slack_s(d, 0.02, 1000.0, policy.steps_left(d), 0.0051)
+             for d in (ahead, on_time, behind, started, fresh)}
+    assert slack["ahead"] == pytest.approx(0.1149) and slack["on_time"] == pytest.approx(0.0149)
+    assert slack["behind"] == pytest.approx(-0.7851) and slack["started"] == pytest.approx(0.1788)
+    assert slack["fresh"] is None
+    assert step_allowance_ms(20.0, 1.0, 5.1, 114.9) == pytest.approx(62.55)
+    assert step_allowance_ms(20.0, 1.0, 5.1, 14.9) == step_allowance_ms(20.0, 1.0, 5.1, -785.1) == 20.0
+    assert step_allowance_ms(20.0, 1.0, 5.1, None) == 20.0
     flat = prefill_token_limit([20.0], 1, 4096, linear)
     assert 148 <= flat <= 149  # 5 ms + 0.1 ms x (1 + c) <= 20 ms
-    assert 648 <= policy.prefill_limit([ahead], 1) <= 649  # 5 + 0.1 x (1 + c) <= 20 + 100 / 2 ms
+    assert 573 <= policy.prefill_limit([ahead], 1) <= 574  # 5 + 0.1 x (1 + c) <= 5.1 + 114.9 / 2 ms
+    assert 893 <= policy.prefill_limit([started], 1) <= 894  # <= 5.1 + 178.8 / 2 ms
     for other in (on_time, behind, fresh):
         assert policy.prefill_limit([other], 1) == flat
         assert policy.prefill_limit([ahead, other], 2) == prefill_token_limit([20.0], 2, 4096, linear)  # tightest
-    assert policy.tpot_slack([ahead, fresh]) == {"ahead": (0.02, pytest.approx(0.1))}
 
 
 def test_slack_sized_chunks_in_the_engine():
-    """The engine's own chunk: a running decode that is 1 s ahead of its TPOT deadline lets the
-    whole ~865-token prompt through in one step; the same decode on its deadline caps the chunk
-    at what one TPOT budget allows."""
+    """The engine's own chunk: a running decode that has just emitted its first token, with 37
+    more to go, has most of its TPOT budget ahead of it and lets the whole ~865-token prompt
+    through in one step; the same decode with its budget spent caps the chunk at what one TPOT
+    budget allows."""
     engine = engine_with(seqs=4, enable_chunked_prefill=True)
     p = prompt_ids(30, 400)
     for n in (10, 100, 300):  # steps of different sizes: the cost model can tell tokens apart
@@ -295,12 +305,12 @@ def test_slack_sized_chunks_in_the_engine():
     short = engine._requests["short"][0]
     assert short.num_output_tokens == 3
     limits = {}
-    for name, slack_s in (("on_time", 0.0), ("ahead", 1.0)):  # first token placed to give this slack
-        short.request.metrics.first_token_time_s = time.monotonic() - 2 * tpot_ms / 1e3 + slack_s
+    for name, since_first_s in (("spent", 39 * tpot_ms / 1e3), ("ahead", 0.0)):
+        short.request.metrics.first_token_time_s = time.monotonic() - since_first_s
         limits[name] = engine.slo.prefill_limit([short], 1)
-    assert len(long) > 800 and 100 < limits["on_time"] < len(long)
-    assert limits["on_time"] <= prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
-    assert limits["ahead"] >= len(long) > limits["on_time"]
+    assert len(long) > 800 and 100 < limits["spent"] < len(long)
+    assert limits["spent"] == prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
+    assert limits["ahead"] >= len(long) > limits["spent"]
     out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limits["ahead"])
     assert out.chunks["long-0"] == len(long) and [s.seq_id for s in out.decodes] == ["short-0"]
 
@@ -325,8 +335,8 @@ def test_the_wait_estimate_frees_the_budget_as_running_decodes_finish(monkeypatc
     policy = SLOPolicy(Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={
         "tight": SLOClass(tpot_ms=20.0), "loose": SLOClass(tpot_ms=100.0)})), controller)
 
-    def decode(sid, slo_class, tokens, max_tokens):  # on its TPOT deadline: no slack
-        first = 1000.0 - {"tight": 0.02, "loose": 0.1}[slo_class] * (tokens - 1)
+    def decode(sid, slo_class, tokens, max_tokens):  # its whole TPOT budget spent: no slack, flat caps
+        first = 1000.0 - {"tight": 0.02, "loose": 0.1}[slo_class] * (max_tokens - 1)
         return SimpleNamespace(seq_id=sid, params=SamplingParams(max_tokens=max_tokens, slo_class=slo_class),
                                num_output_tokens=tokens,
                                request=SimpleNamespace(metrics=RequestMetrics(0.0, first_token_time_s=first)))
