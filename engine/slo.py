@@ -77,7 +77,7 @@ class SLOPolicy:
         DeadlineUnattainable when the prefill work the
         scheduler would run before this request (``Scheduler.prefill_tokens_ahead``), its own
         prompt included, cannot finish within the class's TTFT budget beside the running
-        ``decodes`` (:func:`wait_estimate_s`)."""
+        ``decodes``, which leave as they finish (:meth:`prefill_phases`, :func:`wait_estimate_s`)."""
         if params.slo_class is not None and params.slo_class not in self.config.slo_classes:
             raise RequestError(f"'slo_class' must be one of {sorted(self.config.slo_classes)}, got "
                                f"{params.slo_class!r}", param="slo_class")
@@ -86,9 +86,7 @@ class SLOPolicy:
             return
         deadline_s = time.monotonic() + slo.ttft_ms / 1e3
         ahead = self.scheduler.prefill_tokens_ahead(params.priority, deadline_s) + prompt_len
-        reserved = sum(self.decode_tokens(s) for s in decodes)
-        per_step = self.scheduler.prefill_tokens_per_step(reserved, self.prefill_limit(decodes, reserved))
-        wait_s = wait_estimate_s(ahead, per_step, reserved, self.step_predictor())
+        wait_s = wait_estimate_s(ahead, self.prefill_phases(decodes), self.step_predictor())
         if wait_s * 1e3 > slo.ttft_ms:
             raise DeadlineUnattainable(
                 f"slo_class {self.config.slo_for(params.slo_class)[0]!r}: the TTFT budget of {slo.ttft_ms:g} ms "
@@ -97,6 +95,31 @@ class SLOPolicy:
     def decode_tokens(self, seq) -> int:
         """Target tokens a decoding sequence takes in a step: 1 + its draft length last step."""
         return 1 + self.controller.last.k.get(seq.seq_id, 0)
+
+    def steps_left(self, seq) -> int:
+        """Steps until a decoding sequence reaches ``max_tokens``, at the tokens a step it is
+        expected to emit at its last draft length (a stop string or EOS may end it sooner)."""
+        k = self.controller.last.k.get(seq.seq_id, 0)
+        left = max(seq.params.max_tokens - seq.num_output_tokens, 0)
+        return math.ceil(left / self.controller.expected_tokens(seq.seq_id, k))
+
+    def prefill_phases(self, decodes) -> list[tuple[float, int, int]]:
+        """The steps ahead as phases (steps, decode target tokens, prefill tokens a step): each
+        phase ends when the next running decode is expected to finish, which takes its tokens and
+        its TPOT constraint off the step (the short outputs of a burst free the budget within a
+        few steps); the last phase, with the decodes left, is unbounded (``math.inf`` steps).
+        Prompts prefilled meanwhile join as decodes in reality: this is the optimistic side."""
+        left = sorted(decodes, key=self.steps_left)
+        phases, done = [], 0
+        while True:
+            reserved = sum(self.decode_tokens(s) for s in left)
+            per_step = self.scheduler.prefill_tokens_per_step(reserved, self.prefill_limit(left, reserved))
+            if not left:
+                return phases + [(math.inf, reserved, per_step)]
+            end = self.steps_left(left[0])
+            if end > done:
+                phases.append((end - done, reserved, per_step))
+            done, left = end, [s for s in left if self.steps_left(s) > end]
 
     def step_predictor(self) -> Callable[[int], float]:
         """Predicted step seconds for a number of target tokens: the target forward and, drafting
@@ -108,37 +131,43 @@ class SLOPolicy:
     def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
         """Prefill tokens this step may take so the running decodes keep their TPOT budgets.
 
-        A decode's budget for the step is its TPOT budget times the tokens it is expected to emit
-        in it (:meth:`SpeculationController.expected_tokens` at its last draft length): a step that
-        verifies k drafts emits 1 + the expected accepted tokens, so holding it to one token's
-        budget would starve the prefills of a speculating batch (the same per-token accounting as
-        the controller's own TPOT check)."""
+        TPOT is judged per request, (finish - first token) / (output tokens - 1), so a decode may
+        absorb a longer step as long as its whole remaining output still fits its budget. Its
+        allowance for the step (:func:`step_allowance_ms`) is the decode-only step time plus a
+        share of its projected slack (:func:`projected_slack_s`: the time its TPOT budget leaves
+        over its remaining decode-only steps), and never less than its TPOT budget times the
+        tokens it is expected to emit in the step (:meth:`SpeculationController.expected_tokens`
+        at its last draft length). A flat per-step cap sized chunks for the worst case and slowed
+        bursts' TTFT: the production mix's 13-token completions have 50 ms x 12 of TPOT budget
+        and decode steps of ~10-20 ms."""
         if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
             return None
-        budgets = []
+        predict = self.step_predictor()
+        now, decode_s, budgets = time.monotonic(), predict(decode_tokens), []
         for s in decodes:
             slo = self.config.slo_for(s.params.slo_class)[1]
             if slo is not None and slo.tpot_ms:
                 k = self.controller.last.k.get(s.seq_id, 0)
-                budgets.append(slo.tpot_ms * self.controller.expected_tokens(s.seq_id, k))
+                slack_s = projected_slack_s(s, slo.tpot_ms / 1e3, now, self.steps_left(s), decode_s)
+                budgets.append(step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
+                                                 decode_s * 1e3, None if slack_s is None else slack_s * 1e3))
         if not budgets:
             return None
-        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
-                                   self.step_predictor())
+        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens, predict)
 
     def tpot_slack(self, decodes) -> dict[str, tuple[float, float]]:
-        """(TPOT budget s, slack s) per decoding sequence with a TPOT budget, for the speculation
-        controller: slack = budget x output tokens after the first - seconds since the first
-        token (negative: behind its budget)."""
+        """(TPOT budget s, slack s) per decoding sequence with a TPOT budget and a first token, for
+        the speculation controller (:func:`sequence_slack_s`; negative: behind its budget)."""
         if not self.config.slo_classes:
             return {}
         now, out = time.monotonic(), {}
         for seq in decodes:
             slo = self.config.slo_for(seq.params.slo_class)[1]
-            first_s = seq.request.metrics.first_token_time_s
-            if slo is not None and slo.tpot_ms is not None and first_s is not None:
+            if slo is not None and slo.tpot_ms is not None:
                 budget_s = slo.tpot_ms / 1e3
-                out[seq.seq_id] = (budget_s, budget_s * max(seq.num_output_tokens - 1, 0) - (now - first_s))
+                slack_s = sequence_slack_s(seq, budget_s, now)
+                if slack_s is not None:
+                    out[seq.seq_id] = (budget_s, slack_s)
         return out
 
     def record(self, request: RequestOutput, params) -> None:
@@ -157,16 +186,76 @@ class SLOPolicy:
         return {k: list(v) for k, v in self.counts.items()}
 
 
-def wait_estimate_s(tokens_ahead: int, prefill_tokens_per_step: int, decode_tokens: int,
+SLACK_SHARE = 0.5  # share of a decode's accumulated TPOT slack that one step may spend
+
+
+def sequence_slack_s(seq, tpot_budget_s: float, now_s: float) -> float | None:
+    """Seconds a decoding sequence is ahead of its TPOT deadline: budget x output tokens after
+    the first - seconds since its first token (negative: behind; None: no first token yet).
+    Its request meets the TPOT budget iff the slack is >= 0 when it finishes."""
+    first_s = seq.request.metrics.first_token_time_s
+    if first_s is None:
+        return None
+    return tpot_budget_s * max(seq.num_output_tokens - 1, 0) - (now_s - first_s)
+
+
+def projected_slack_s(seq, tpot_budget_s: float, now_s: float, steps_left: int, decode_step_s: float) -> float | None:
+    """Seconds a decoding sequence can still lose and meet its TPOT budget: the budget for all of
+    its output after the first token (budget x (max_tokens - 1)), less the time since its first
+    token and its ``steps_left`` remaining steps at ``decode_step_s`` each (None: no first token).
+    Negative: it is behind, even if no step runs longer than a decode-only one."""
+    first_s = seq.request.metrics.first_token_time_s
+    if first_s is None:
+        return None
+    whole_s = tpot_budget_s * max(seq.params.max_tokens - 1, 0)
+    return whole_s - (now_s - first_s) - steps_left * decode_step_s
+
+
+def step_allowance_ms(tpot_ms: float, expected_tokens: float, decode_step_ms: float,
+                      slack_ms: float | None) -> float:
+    """Step time a decode allows, ms: the decode-only step (``decode_step_ms``) plus
+    ``SLACK_SHARE`` of its projected slack, at least its TPOT budget for each token it is expected
+    to emit in the step (also when it has no slack, or no first token: ``slack_ms`` None).
+
+    Spending only a share keeps a reserve for the steps after (each later step may spend a share
+    of what is left, and an EOS before ``max_tokens`` leaves fewer tokens to average over), and a
+    decode behind its budget still allows its per-token budget: holding steps under that would
+    stall every prefill without letting it catch up."""
+    floor_ms = tpot_ms * expected_tokens
+    if slack_ms is None or slack_ms <= 0:
+        return floor_ms
+    return max(floor_ms, decode_step_ms + SLACK_SHARE * slack_ms)
+
+
+def wait_estimate_s(tokens_ahead: int, phases: list[tuple[float, int, int]],
                     predict_step_s: Callable[[int], float]) -> float:
-    """Seconds until ``tokens_ahead`` prefill tokens (this prompt's included) are through, at
-    ``prefill_tokens_per_step`` a step beside ``decode_tokens`` decode tokens, each step's time
-    predicted by ``predict_step_s`` (target tokens -> s): full steps, then the remainder."""
-    if prefill_tokens_per_step <= 0:
-        return math.inf
-    steps, rest = divmod(tokens_ahead, prefill_tokens_per_step)
-    full_s = steps * predict_step_s(decode_tokens + prefill_tokens_per_step)
-    return full_s + (predict_step_s(decode_tokens + rest) if rest else 0.0)
+    """Seconds until ``tokens_ahead`` prefill tokens (this prompt's included) are through.
+
+    Args:
+        tokens_ahead: prompt tokens to prefill, this prompt's last.
+        phases: (steps, decode target tokens, prefill tokens a step) in order, the last one with
+            ``math.inf`` steps (:meth:`SLOPolicy.prefill_phases`).
+        predict_step_s: step seconds for a number of target tokens.
+
+    Returns:
+        The predicted seconds of the full steps and the step with the remainder (inf when the
+        last phase prefills nothing).
+    """
+    wait_s = 0.0
+    for steps, decode_tokens, per_step in phases:
+        if per_step <= 0:
+            if math.isinf(steps):
+                return math.inf
+            wait_s += steps * predict_step_s(decode_tokens)
+            continue
+        full = min(steps, tokens_ahead // per_step)
+        wait_s += full * predict_step_s(decode_tokens + per_step)
+        tokens_ahead -= full * per_step
+        if tokens_ahead <= 0:
+            return wait_s
+        if full < steps:  # the remainder goes in this phase's next step
+            return wait_s + predict_step_s(decode_tokens + tokens_ahead)
+    return math.inf
 
 
 def prefill_token_limit(step_budgets_ms: list[float], decode_tokens: int, max_tokens: int,

@@ -1,5 +1,7 @@
 """Latency budgets in the scheduler: priorities, earliest-deadline order, refusal, attainment."""
 
+import time
+
 import msgspec
 import pytest
 
@@ -136,7 +138,9 @@ def test_tpot_budgets_cap_the_prefill_chunk():
     engine.add_request("short", p[0][:20], SamplingParams(temperature=0.0, max_tokens=40, slo_class="interactive"))
     engine.step()
     engine.add_request("long", [t for q in p[1:6] for t in q][:900], SamplingParams(temperature=0.0, max_tokens=2))
-    limit = engine.slo.prefill_limit([engine._requests["short"][0]], 1)
+    short = engine._requests["short"][0]  # its TPOT budget already spent: no slack, the flat cap
+    short.request.metrics.first_token_time_s = time.monotonic() - 39 * tpot_ms / 1e3
+    limit = engine.slo.prefill_limit([short], 1)
     assert limit == prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
     assert limit is not None and 100 < limit < 900
     out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limit)
@@ -189,9 +193,14 @@ def test_refusal_counts_only_the_prefill_work_scheduled_ahead():
 
 def test_wait_estimate_is_full_steps_then_the_remainder():
     linear = lambda tokens: 0.005 + 0.0001 * tokens  # noqa: E731
-    assert wait_estimate_s(130, 64, 10, linear) == pytest.approx(2 * linear(74) + linear(12))
-    assert wait_estimate_s(128, 64, 10, linear) == pytest.approx(2 * linear(74))
-    assert wait_estimate_s(10, 0, 10, linear) == float("inf")
+    inf = float("inf")
+    assert wait_estimate_s(130, [(inf, 10, 64)], linear) == pytest.approx(2 * linear(74) + linear(12))
+    assert wait_estimate_s(128, [(inf, 10, 64)], linear) == pytest.approx(2 * linear(74))
+    assert wait_estimate_s(10, [(inf, 10, 0)], linear) == inf
+    # 1 step of 64 beside 10 decode tokens, 2 steps that prefill nothing (20 decode tokens), then 100 a step
+    phases = [(1, 10, 64), (2, 20, 0), (inf, 0, 100)]
+    assert wait_estimate_s(300, phases, linear) == pytest.approx(linear(74) + 2 * linear(20) + 2 * linear(100) + linear(36))
+    assert wait_estimate_s(50, phases, linear) == pytest.approx(linear(60))
 
 
 def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to_emit():
@@ -217,9 +226,131 @@ def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to
     policy = SLOPolicy(sched, controller)
     linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
     controller.predict_step_s = linear
-    spec = SimpleNamespace(seq_id="spec", params=SamplingParams(max_tokens=8))
-    plain = SimpleNamespace(seq_id="plain", params=SamplingParams(max_tokens=8))
+    fresh = SimpleNamespace(metrics=RequestMetrics(arrival_time_s=0.0))  # no first token yet: no slack
+    spec = SimpleNamespace(seq_id="spec", params=SamplingParams(max_tokens=8), request=fresh, num_output_tokens=0)
+    plain = SimpleNamespace(seq_id="plain", params=SamplingParams(max_tokens=8), request=fresh, num_output_tokens=0)
     # alone, the speculating decode allows 20 ms x E tokens; beside a plain decode, 20 ms binds
     assert policy.prefill_limit([spec], 5) == prefill_token_limit([20.0 * expected], 5, 4096, linear)
     assert policy.prefill_limit([spec], 5) > 4 * prefill_token_limit([20.0], 5, 4096, linear)  # 744 vs 145
     assert policy.prefill_limit([spec, plain], 6) == prefill_token_limit([20.0], 6, 4096, linear) == 144
+
+
+def test_a_decode_with_tpot_slack_lets_a_larger_chunk_through(monkeypatch):
+    """TPOT is judged per request ((finish - first token) / (tokens - 1)), so a decode whose
+    remaining output fits its budget with time to spare can absorb a longer step: it allows the
+    decode-only step plus half its projected slack. One without slack, behind its budget or
+    without a first token allows its per-token budget (the flat cap)."""
+    from types import SimpleNamespace
+
+    from engine import slo as slo_module
+    from engine.scheduler import Scheduler
+    from engine.slo import SLOPolicy, projected_slack_s, step_allowance_ms
+    from engine.spec_controller import Decision, SpeculationController
+
+    monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    controller = SpeculationController(max_k=4)
+    controller.last = Decision(k={})
+    linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    controller.predict_step_s = linear
+    policy = SLOPolicy(Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={
+        "i": SLOClass(tpot_ms=20.0)}, default_slo_class="i")), controller)
+
+    def decode(sid, first_token_s, tokens, max_tokens=12):
+        metrics = RequestMetrics(arrival_time_s=990.0, first_token_time_s=first_token_s)
+        return SimpleNamespace(seq_id=sid, params=SamplingParams(max_tokens=max_tokens), num_output_tokens=tokens,
+                               request=SimpleNamespace(metrics=metrics))
+
+    # 11 of 12 tokens out; the whole output may take 20 ms x 11 = 220 ms after the first token and
+    # the last step, decode-only, takes 5.1 ms (1 target token)
+    ahead = decode("ahead", 999.9, 11)  # 100 ms used: 114.9 ms of slack
+    on_time, behind = decode("on_time", 999.8, 11), decode("behind", 999.0, 11)  # 14.9 ms; -785.1 ms
+    started = decode("started", 1000.0, 1, max_tokens=13)  # first token now: 240 - 12 x 5.1 = 178.8 ms
+    fresh = decode("fresh", None, 0)
+    slack = {d.seq_id: projected_slack_s(d, 0.02, 1000.0, policy.steps_left(d), 0.0051)
+             for d in (ahead, on_time, behind, started, fresh)}
+    assert slack["ahead"] == pytest.approx(0.1149) and slack["on_time"] == pytest.approx(0.0149)
+    assert slack["behind"] == pytest.approx(-0.7851) and slack["started"] == pytest.approx(0.1788)
+    assert slack["fresh"] is None
+    assert step_allowance_ms(20.0, 1.0, 5.1, 114.9) == pytest.approx(62.55)
+    assert step_allowance_ms(20.0, 1.0, 5.1, 14.9) == step_allowance_ms(20.0, 1.0, 5.1, -785.1) == 20.0
+    assert step_allowance_ms(20.0, 1.0, 5.1, None) == 20.0
+    flat = prefill_token_limit([20.0], 1, 4096, linear)
+    assert 148 <= flat <= 149  # 5 ms + 0.1 ms x (1 + c) <= 20 ms
+    assert 573 <= policy.prefill_limit([ahead], 1) <= 574  # 5 + 0.1 x (1 + c) <= 5.1 + 114.9 / 2 ms
+    assert 893 <= policy.prefill_limit([started], 1) <= 894  # <= 5.1 + 178.8 / 2 ms
+    for other in (on_time, behind, fresh):
+        assert policy.prefill_limit([other], 1) == flat
+        assert policy.prefill_limit([ahead, other], 2) == prefill_token_limit([20.0], 2, 4096, linear)  # tightest
+
+
+def test_slack_sized_chunks_in_the_engine():
+    """The engine's own chunk: a running decode that has just emitted its first token, with 37
+    more to go, has most of its TPOT budget ahead of it and lets the whole ~865-token prompt
+    through in one step; the same decode with its budget spent caps the chunk at what one TPOT
+    budget allows."""
+    engine = engine_with(seqs=4, enable_chunked_prefill=True)
+    p = prompt_ids(30, 400)
+    for n in (10, 100, 300):  # steps of different sizes: the cost model can tell tokens apart
+        engine.add_request(f"w{n}", p[n % 7][:n], SamplingParams(temperature=0.0, max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    tpot_ms = engine.controller.predict_step_s(300) * 1e3  # a budget that fits ~300 tokens a step
+    engine.scheduler.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
+                                              slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)})
+    engine.add_request("short", p[0][:20], SamplingParams(temperature=0.0, max_tokens=40, slo_class="interactive"))
+    for _ in range(3):
+        engine.step()
+    long = [t for q in p[1:6] for t in q][:900]
+    engine.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=2))
+    short = engine._requests["short"][0]
+    assert short.num_output_tokens == 3
+    limits = {}
+    for name, since_first_s in (("spent", 39 * tpot_ms / 1e3), ("ahead", 0.0)):
+        short.request.metrics.first_token_time_s = time.monotonic() - since_first_s
+        limits[name] = engine.slo.prefill_limit([short], 1)
+    assert len(long) > 800 and 100 < limits["spent"] < len(long)
+    assert limits["spent"] == prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
+    assert limits["ahead"] >= len(long) > limits["spent"]
+    out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limits["ahead"])
+    assert out.chunks["long-0"] == len(long) and [s.seq_id for s in out.decodes] == ["short-0"]
+
+
+def test_the_wait_estimate_frees_the_budget_as_running_decodes_finish(monkeypatch):
+    """A decode with 2 tokens left under a tight TPOT budget caps prefill chunks for 2 steps
+    only; a looser one with 5 left for 3 more; then the step's whole token budget prefills. The
+    old estimate held the tightest cap for the whole wait (a burst of short completions, whose
+    decodes end within a few steps, had later requests refused that FCFS served in time)."""
+    from types import SimpleNamespace
+
+    from engine import slo as slo_module
+    from engine.scheduler import Scheduler
+    from engine.slo import SLOPolicy
+    from engine.spec_controller import Decision, SpeculationController
+
+    monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    controller = SpeculationController(max_k=4)
+    controller.last = Decision(k={})
+    linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    controller.predict_step_s = linear
+    policy = SLOPolicy(Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={
+        "tight": SLOClass(tpot_ms=20.0), "loose": SLOClass(tpot_ms=100.0)})), controller)
+
+    def decode(sid, slo_class, tokens, max_tokens):  # its whole TPOT budget spent: no slack, flat caps
+        first = 1000.0 - {"tight": 0.02, "loose": 0.1}[slo_class] * (max_tokens - 1)
+        return SimpleNamespace(seq_id=sid, params=SamplingParams(max_tokens=max_tokens, slo_class=slo_class),
+                               num_output_tokens=tokens,
+                               request=SimpleNamespace(metrics=RequestMetrics(0.0, first_token_time_s=first)))
+
+    tight, loose = decode("a", "tight", 11, 13), decode("b", "loose", 4, 9)
+    assert policy.steps_left(tight) == 2 and policy.steps_left(loose) == 5
+    phases = policy.prefill_phases([loose, tight])
+    assert [p[:2] for p in phases] == [(2, 2), (3, 1), (float("inf"), 0)]
+    assert phases[0][2] == policy.prefill_limit([loose, tight], 2) and 140 <= phases[0][2] <= 148
+    assert phases[1][2] == policy.prefill_limit([loose], 1) and 940 <= phases[1][2] <= 949
+    assert phases[2][2] == 4096
+    p1, p2 = phases[0][2], phases[1][2]
+    rest = 4000 - 2 * p1 - 3 * p2
+    assert wait_estimate_s(4000, phases, linear) == pytest.approx(
+        2 * linear(2 + p1) + 3 * linear(1 + p2) + linear(rest))  # 0.43 s
+    held = wait_estimate_s(4000, [(float("inf"), 2, p1)], linear)  # the tight cap for the whole wait
+    assert held > 0.52 and wait_estimate_s(4000, phases, linear) < 0.44
