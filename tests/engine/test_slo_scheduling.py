@@ -119,6 +119,22 @@ def test_request_slo_met_follows_vllm_bench_definitions():
     assert not request_slo_met(SLOClass(tpot_ms=99.0), m, 11)
 
 
+def engine_with_a_learned_tpot_class():
+    """An engine whose cost model has seen steps of 10, 100 and 300 tokens (so it can tell token
+    counts apart), with an ``interactive`` class whose TPOT budget (``tpot_ms``, returned) fits
+    ~300 tokens a step; and the prompts ``prompt_ids(30, 400)``."""
+    engine = engine_with(seqs=4, enable_chunked_prefill=True)
+    p = prompt_ids(30, 400)
+    for n in (10, 100, 300):
+        engine.add_request(f"w{n}", p[n % 7][:n], SamplingParams(temperature=0.0, max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    tpot_ms = engine.controller.predict_step_s(300) * 1e3
+    engine.scheduler.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
+                                              slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)})
+    return engine, p, tpot_ms
+
+
 def test_tpot_budgets_cap_the_prefill_chunk():
     linear = lambda tokens: 0.005 + 0.0001 * tokens  # noqa: E731  (5 ms + 0.1 ms a token)
     assert prefill_token_limit([50.0, 20.0], 10, 4096, linear) == 140  # 5 + 0.1 * (10 + 140) = 20 ms
@@ -126,15 +142,7 @@ def test_tpot_budgets_cap_the_prefill_chunk():
     assert prefill_token_limit([5.0], 10, 4096, linear) == 0
     assert prefill_token_limit([1000.0], 10, 256, linear) == 246  # the token budget binds first
     assert prefill_token_limit([20.0], 10, 4096, lambda t: 0.0) is None  # nothing learned yet
-    engine = engine_with(seqs=4, enable_chunked_prefill=True)
-    p = prompt_ids(30, 400)
-    for n in (10, 100, 300):  # steps of different sizes: the cost model can tell tokens apart
-        engine.add_request(f"w{n}", p[n % 7][:n], SamplingParams(temperature=0.0, max_tokens=2))
-        while engine.has_unfinished_requests():
-            engine.step()
-    tpot_ms = engine.controller.predict_step_s(300) * 1e3  # a budget that fits ~300 tokens a step
-    engine.scheduler.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
-                                              slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)})
+    engine, p, tpot_ms = engine_with_a_learned_tpot_class()
     engine.add_request("short", p[0][:20], SamplingParams(temperature=0.0, max_tokens=40, slo_class="interactive"))
     engine.step()
     engine.add_request("long", [t for q in p[1:6] for t in q][:900], SamplingParams(temperature=0.0, max_tokens=2))
@@ -288,15 +296,7 @@ def test_slack_sized_chunks_in_the_engine():
     more to go, has most of its TPOT budget ahead of it and lets the whole ~865-token prompt
     through in one step; the same decode with its budget spent caps the chunk at what one TPOT
     budget allows."""
-    engine = engine_with(seqs=4, enable_chunked_prefill=True)
-    p = prompt_ids(30, 400)
-    for n in (10, 100, 300):  # steps of different sizes: the cost model can tell tokens apart
-        engine.add_request(f"w{n}", p[n % 7][:n], SamplingParams(temperature=0.0, max_tokens=2))
-        while engine.has_unfinished_requests():
-            engine.step()
-    tpot_ms = engine.controller.predict_step_s(300) * 1e3  # a budget that fits ~300 tokens a step
-    engine.scheduler.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
-                                              slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)})
+    engine, p, tpot_ms = engine_with_a_learned_tpot_class()
     engine.add_request("short", p[0][:20], SamplingParams(temperature=0.0, max_tokens=40, slo_class="interactive"))
     for _ in range(3):
         engine.step()
