@@ -347,14 +347,14 @@ class LLMEngine:
             batch = build_verify_batch(logits, num_logits, draft_lists, [drafts.get(s.seq_id) for s in seqs],
                                        [s.generator for s in seqs], [s.params for s in seqs])
             out_ids, num_acc = verify(batch)
-            self._emit_all(seqs, starts, new_tokens, draft_lists, (logits, num_logits), out_ids, num_acc, feats)
+            self._emit_all(seqs, starts, new_tokens, draft_lists, logits, num_logits, out_ids, num_acc, feats)
 
-    def _emit_all(self, seqs, starts, new_tokens, draft_lists, logits, out_ids, num_acc, feats) -> None:
+    def _emit_all(self, seqs, starts, new_tokens, draft_lists, logits, num_logits, out_ids, num_acc,
+                  feats) -> None:
         """Emit each sequence's accepted run and roll its KV cache (and features) back to what it kept.
 
-        ``logits``: the ``(sum(num_logits), V)`` logit rows and ``num_logits``, each sequence's
-        rows in order; a sequence's rows are sliced only when it asked for logprobs."""
-        rows, num_logits = logits
+        ``logits``: the ``(sum(num_logits), V)`` logit rows, each sequence's ``num_logits`` rows in
+        order; a sequence's rows are sliced only when it asked for logprobs."""
         ends = list(itertools.accumulate(num_logits))
         for b, seq in enumerate(seqs):
             emitted = out_ids[b]
@@ -367,7 +367,7 @@ class LLMEngine:
             self.controller.observe_acceptance(seq.seq_id, len(draft_lists[b]), num_acc[b])
             if seq.seq_id in self._drafting_ahead and num_acc[b] == len(draft_lists[b]):
                 self.controller.note_drafted_ahead(seq.seq_id, num_acc[b])  # its next window may be ready
-            own = rows[ends[b] - num_logits[b]: ends[b]] if seq.completion.logprobs is not None else None
+            own = logits[ends[b] - num_logits[b]: ends[b]] if seq.completion.logprobs is not None else None
             self._emit(seq, emitted, own, len(draft_lists[b]), num_acc[b])
 
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None, num_drafted: int,

@@ -109,17 +109,18 @@ class SLOPolicy:
         its TPOT constraint off the step (the short outputs of a burst free the budget within a
         few steps); the last phase, with the decodes left, is unbounded (``math.inf`` steps).
         Prompts prefilled meanwhile join as decodes in reality: this is the optimistic side."""
-        left = sorted(decodes, key=self.steps_left)
+        steps = {s.seq_id: self.steps_left(s) for s in decodes}
+        left = sorted(decodes, key=lambda s: steps[s.seq_id])
         phases, done = [], 0
         while True:
             reserved = sum(self.decode_tokens(s) for s in left)
             per_step = self.scheduler.prefill_tokens_per_step(reserved, self.prefill_limit(left, reserved))
             if not left:
                 return phases + [(math.inf, reserved, per_step)]
-            end = self.steps_left(left[0])
+            end = steps[left[0].seq_id]
             if end > done:
                 phases.append((end - done, reserved, per_step))
-            done, left = end, [s for s in left if self.steps_left(s) > end]
+            done, left = end, [s for s in left if steps[s.seq_id] > end]
 
     def step_predictor(self) -> Callable[[int], float]:
         """Predicted step seconds for a number of target tokens: the target forward and, drafting

@@ -243,16 +243,14 @@ def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to
     assert policy.prefill_limit([spec, plain], 6) == prefill_token_limit([20.0], 6, 4096, linear) == 144
 
 
-def test_a_decode_with_tpot_slack_lets_a_larger_chunk_through(monkeypatch):
-    """TPOT is judged per request ((finish - first token) / (tokens - 1)), so a decode whose
-    remaining output fits its budget with time to spare can absorb a longer step: it allows the
-    decode-only step plus half its projected slack. One without slack, behind its budget or
-    without a first token allows its per-token budget (the flat cap)."""
+def policy_at_1000_s(monkeypatch, slo_classes: dict, **config):
+    """An SLO policy over ``slo_classes`` whose clock reads 1000 s, with a controller that drafts
+    nothing and costs a step 5 ms + 0.1 ms a target token; returns it and that cost function."""
     from types import SimpleNamespace
 
     from engine import slo as slo_module
     from engine.scheduler import Scheduler
-    from engine.slo import SLOPolicy, projected_slack_s, step_allowance_ms
+    from engine.slo import SLOPolicy
     from engine.spec_controller import Decision, SpeculationController
 
     monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
@@ -260,8 +258,20 @@ def test_a_decode_with_tpot_slack_lets_a_larger_chunk_through(monkeypatch):
     controller.last = Decision(k={})
     linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
     controller.predict_step_s = linear
-    policy = SLOPolicy(Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={
-        "i": SLOClass(tpot_ms=20.0)}, default_slo_class="i")), controller)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes=slo_classes, **config))
+    return SLOPolicy(scheduler, controller), linear
+
+
+def test_a_decode_with_tpot_slack_lets_a_larger_chunk_through(monkeypatch):
+    """TPOT is judged per request ((finish - first token) / (tokens - 1)), so a decode whose
+    remaining output fits its budget with time to spare can absorb a longer step: it allows the
+    decode-only step plus half its projected slack. One without slack, behind its budget or
+    without a first token allows its per-token budget (the flat cap)."""
+    from types import SimpleNamespace
+
+    from engine.slo import projected_slack_s, step_allowance_ms
+
+    policy, linear = policy_at_1000_s(monkeypatch, {"i": SLOClass(tpot_ms=20.0)}, default_slo_class="i")
 
     def decode(sid, first_token_s, tokens, max_tokens=12):
         metrics = RequestMetrics(arrival_time_s=990.0, first_token_time_s=first_token_s)
@@ -322,18 +332,8 @@ def test_the_wait_estimate_frees_the_budget_as_running_decodes_finish(monkeypatc
     decodes end within a few steps, had later requests refused that FCFS served in time)."""
     from types import SimpleNamespace
 
-    from engine import slo as slo_module
-    from engine.scheduler import Scheduler
-    from engine.slo import SLOPolicy
-    from engine.spec_controller import Decision, SpeculationController
-
-    monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
-    controller = SpeculationController(max_k=4)
-    controller.last = Decision(k={})
-    linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
-    controller.predict_step_s = linear
-    policy = SLOPolicy(Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={
-        "tight": SLOClass(tpot_ms=20.0), "loose": SLOClass(tpot_ms=100.0)})), controller)
+    policy, linear = policy_at_1000_s(monkeypatch, {"tight": SLOClass(tpot_ms=20.0),
+                                                    "loose": SLOClass(tpot_ms=100.0)})
 
     def decode(sid, slo_class, tokens, max_tokens):  # its whole TPOT budget spent: no slack, flat caps
         first = 1000.0 - {"tight": 0.02, "loose": 0.1}[slo_class] * (max_tokens - 1)
