@@ -52,17 +52,24 @@ def process_label(cmdline: list[str]) -> str:
     return os.path.basename(first.split()[0])
 
 
-def gcs_address(pid: int) -> str | None:
-    """``host:port`` of the GCS of the Ray that server process ``pid`` started (from the command
-    line of the raylet and the agents, ``--gcs-address``); None if there is none (yet)."""
+def _search_cmdlines(pid: int, pattern: re.Pattern) -> re.Match | None:
+    """The first match of ``pattern`` in the command line of ``pid`` or one of its descendants
+    (processes that exit while being read are skipped)."""
     for p in process_tree(pid):
         try:
-            match = _GCS_ADDRESS.search(" ".join(p.cmdline()))
+            match = pattern.search(" ".join(p.cmdline()))
         except psutil.Error:
             continue
         if match:
-            return match[1]
+            return match
     return None
+
+
+def gcs_address(pid: int) -> str | None:
+    """``host:port`` of the GCS of the Ray that server process ``pid`` started (from the command
+    line of the raylet and the agents, ``--gcs-address``); None if there is none (yet)."""
+    match = _search_cmdlines(pid, _GCS_ADDRESS)
+    return match[1] if match else None
 
 
 def object_store_stats(address: str) -> dict:
@@ -97,15 +104,11 @@ def metrics_export_url(pid: int) -> str | None:
     dashboard agent serves every component's metrics there; it writes the port it picked to
     ``<session dir>/metrics_export_port_<node id>`` (the raylet's socket lives in ``<session
     dir>/sockets/``). None if there is none (yet)."""
-    for p in process_tree(pid):
-        try:
-            match = _RAYLET_SOCKET.search(" ".join(p.cmdline()))
-        except psutil.Error:
-            continue
-        if match:
-            ports = sorted(Path(match[1]).parents[1].glob("metrics_export_port_*"))
-            return f"http://127.0.0.1:{ports[0].read_text().strip()}/metrics" if ports else None
-    return None
+    match = _search_cmdlines(pid, _RAYLET_SOCKET)
+    if match is None:
+        return None
+    ports = sorted(Path(match[1]).parents[1].glob("metrics_export_port_*"))
+    return f"http://127.0.0.1:{ports[0].read_text().strip()}/metrics" if ports else None
 
 
 def object_store_stats_from_metrics(url: str) -> dict | None:
