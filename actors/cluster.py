@@ -74,8 +74,11 @@ def init_ray(namespace: str, env_vars: dict, address: str | None = None) -> bool
         log.info("joined the Ray cluster at %s", address)
         return False
     _loopback_node_address()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace=namespace, runtime_env=runtime_env,
-             log_to_driver=True, _node_ip_address=LOOPBACK)
+    # address="local", not None: with None, ray.init joins the cluster named in
+    # <ray temp dir>/ray_current_cluster (written by `ray start` and ray.cluster_utils, left behind
+    # when they die), and a stale or foreign one there made the embedded start fail.
+    ray.init(address=RAY_LOCAL_ADDRESS, num_cpus=os.cpu_count(), include_dashboard=False, namespace=namespace,
+             runtime_env=runtime_env, log_to_driver=True, _node_ip_address=LOOPBACK)
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:  # a Ray upgrade changed the rule above: say so rather than listen widely
         log.warning("the embedded Ray node address is %s, not %s: its ports may be reachable from the network",

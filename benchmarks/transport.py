@@ -154,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     import os
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace="specmoe",
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, namespace="specmoe",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     import torch
 

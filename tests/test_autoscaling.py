@@ -41,11 +41,13 @@ def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("autoscale") / "serve.yaml"
     path.write_text(yaml.safe_dump(doc))
     log = open(path.with_suffix(".log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", str(path)], stdout=log,
-                            stderr=subprocess.STDOUT)
+    # --address local: a new Ray of its own, never the cluster another test recorded in
+    # /tmp/ray/ray_current_cluster (serve run's default would join that one).
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", "local", str(path)],
+                            stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_status(url, 200, timeout_s=300, proc=proc)
+        wait_status(url, 200, timeout_s=300, proc=proc, log_path=path.with_suffix(".log"))
         yield proc, url
     finally:
         if proc.poll() is None:

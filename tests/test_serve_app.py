@@ -1,5 +1,6 @@
 """serve_app's start-up checks: clear reasons and a non-zero exit, before Ray starts."""
 
+import os
 import socket
 
 import pytest
@@ -111,3 +112,25 @@ def test_sigint_stops_the_server_even_when_started_with_it_ignored():
     finally:
         signal.signal(signal.SIGINT, saved[0])
         signal.signal(signal.SIGTERM, saved[1])
+
+
+def test_embedded_start_ignores_a_stale_ray_current_cluster(monkeypatch):
+    """`ray start` and ray.cluster_utils record their head in <ray temp dir>/ray_current_cluster and
+    leave it behind when they die; plain ray.init() would join that address. The embedded start
+    must start its own Ray whatever the file says (it made the lifecycle tests' server exit in CI)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="rt") as tmp:  # short: Ray's socket paths
+        os.makedirs(os.path.join(tmp, "ray"))
+        with open(os.path.join(tmp, "ray", "ray_current_cluster"), "w") as f:
+            f.write("127.0.0.1:1")  # nothing listens there
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        monkeypatch.setenv("RAY_TMPDIR", tmp)
+        code = ("import ray; from actors.cluster import init_ray; "
+                "print('started', init_ray('stale-test', {}), ray.get_runtime_context().get_node_id() is not None); "
+                "ray.shutdown()")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "started True True" in done.stdout

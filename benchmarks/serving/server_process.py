@@ -30,18 +30,26 @@ def embedded_config(port: int) -> dict:
     return config
 
 
-def wait_status(url: str, status: int, timeout_s: float, proc=None) -> float:
-    """Poll ``/health`` until it answers ``status``; seconds taken (AssertionError past timeout_s)."""
+def _log_tail(log_path: Path | None, num_lines: int = 40) -> str:
+    """The last lines of the server's log, for an assertion message (why it exited)."""
+    if log_path is None or not log_path.exists():
+        return ""
+    return "\n--- serve_app.py log tail ---\n" + "\n".join(log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+
+def wait_status(url: str, status: int, timeout_s: float, proc=None, log_path: Path | None = None) -> float:
+    """Poll ``/health`` until it answers ``status``; seconds taken (AssertionError past timeout_s,
+    or when ``proc`` exits: the message ends with ``log_path``'s tail)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
-        assert proc is None or proc.poll() is None, "serve_app.py exited"
+        assert proc is None or proc.poll() is None, f"serve_app.py exited ({proc.returncode}){_log_tail(log_path)}"
         try:
             if httpx.get(url + "/health", timeout=10).status_code == status:
                 return time.monotonic() - start
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise AssertionError(f"/health did not answer {status} within {timeout_s} s")
+    raise AssertionError(f"/health did not answer {status} within {timeout_s} s{_log_tail(log_path)}")
 
 
 def engine_gauge(url: str, name: str) -> float:
@@ -83,7 +91,7 @@ def serve_process(config: dict, path: Path, extra_args: tuple[str, ...] = (), st
                             stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{config['http']['port']}"
     try:
-        wait_status(url, 200, timeout_s=start_timeout_s, proc=proc)
+        wait_status(url, 200, timeout_s=start_timeout_s, proc=proc, log_path=log_path)
         yield proc, url, log_path
     finally:
         if proc.poll() is None:
