@@ -1,10 +1,13 @@
 """The verifier's request loop around an injected engine: no Ray here, so it is unit-testable.
 
 Engine steps run on one worker thread (the engine thread, which also makes every hop the engine
-needs); the event loop only moves requests in and outputs out. Requests are added and aborted
-between steps (never while a step runs). A step that runs longer than ``step_timeout_s`` makes
-:meth:`EngineLoop.check_health` fail, so Serve replaces a replica whose engine thread hangs
-(Ray Serve LLM's ``LLMServer.check_health`` asks its engine the same question).
+needs); the event loop only moves requests in and outputs out. While any request is unfinished the
+engine thread steps back to back (a burst, like vLLM's engine core busy loop): handing each step's
+outputs to the event loop does not wait for it, so the thread never idles while the event loop
+gets the GIL and a core to ship them. Requests are added and aborted between steps (never while a
+step runs). A step that runs longer than ``step_timeout_s`` makes :meth:`EngineLoop.check_health`
+fail, so Serve replaces a replica whose engine thread hangs (Ray Serve LLM's
+``LLMServer.check_health`` asks its engine the same question).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -23,6 +28,7 @@ from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 SHUTTING_DOWN = "the server is shutting down; retry the request"
@@ -36,21 +42,30 @@ class EngineLoop:
     """Streams engine outputs per request, stepping the engine while any request is unfinished.
 
     Args:
-        engine: the engine (anything with :class:`LLMEngine`'s request and step methods).
-        executor: the engine thread (one worker); the engine is only touched there and between
-            steps on the event loop.
+        engine: the engine (anything with :class:`LLMEngine`'s request and step methods, and
+            ``get_metrics`` when ``on_change`` is given).
+        executor: the engine thread (one worker); the engine is only touched there, and on the
+            event loop only while no burst runs.
         step_timeout_s: longest healthy step, seconds.
-        on_change: called on the event loop after every step and every add/abort batch (metrics).
+        on_change: called on the event loop after every step and every add/abort batch, once
+            :attr:`metrics` holds the engine's metrics as of then (metrics).
         carriers: request id -> W3C trace carrier map shared with the engine's step observer.
     """
 
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor, step_timeout_s: float = 60.0,
                  on_change: Callable[[], None] | None = None, carriers: dict | None = None) -> None:
         self.engine, self.executor, self.step_timeout_s = engine, executor, step_timeout_s
-        self.on_change = on_change or (lambda: None)
+        self.on_change = on_change
+        # engine.get_metrics(), taken on the engine thread: a running step may resize its dicts.
+        self.metrics: dict | None = None
         self.carriers = carriers if carriers is not None else {}
         self._streams: dict[str, asyncio.Queue] = {}
-        self._pending: list[tuple] = []
+        # ("add", ...), ("abort", rid), ("call", fn, future): appended on the event loop only,
+        # popped on the engine thread only (deque append and popleft are thread-safe).
+        self._ops: deque[tuple] = deque()
+        # Sequences of queued adds, as two counters with one writer each (queued: event loop,
+        # taken: engine thread), so the event loop never iterates the deque the engine pops.
+        self._seqs_queued = self._seqs_taken = 0
         self._wakeup = asyncio.Event()
         self._step_started: float | None = None  # time.monotonic() of the running step
         self._ids = itertools.count()
@@ -58,44 +73,84 @@ class EngineLoop:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        """Event loop: give the engine thread one burst while there is work, else sleep until an op
+        is queued."""
         loop = asyncio.get_running_loop()
         while True:
-            self._apply_pending()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.clear()
+            self._wakeup.clear()
+            # No burst runs here and every op is appended on this thread, so this check cannot miss
+            # an op queued while the last burst was returning.
+            if not self._ops and not self.engine.has_unfinished_requests():
                 await self._wakeup.wait()
                 continue
-            self._step_started = time.monotonic()
             try:
-                outputs = await loop.run_in_executor(self.executor, self.engine.step)
+                await loop.run_in_executor(self.executor, self._burst, loop)
             except Exception:  # engine.step fails sequences itself; this is a last resort
                 log.exception("engine step crashed")
                 await asyncio.sleep(0.01)
-                continue
+
+    def _burst(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Engine thread: apply queued ops and step, back to back, until no request is unfinished.
+
+        Stream items are built here because the engine reuses a request's output object in its
+        next step; they and the metrics snapshot go to the event loop with
+        ``call_soon_threadsafe``, which does not wait for it."""
+        while True:
+            errors = self._apply_ops()
+            if errors is not None:  # gauges move on add/abort too
+                loop.call_soon_threadsafe(self._publish, errors, self._snapshot())
+            if not self.engine.has_unfinished_requests():
+                return
+            self._step_started = time.monotonic()
+            try:
+                outputs = self.engine.step()
             finally:
                 self._step_started = None
             now_s = time.monotonic()
-            for out in outputs:
-                queue = self._streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(step_item(out, now_s))
-            self.on_change()
+            items = [(out.request_id, step_item(out, now_s)) for out in outputs]
+            loop.call_soon_threadsafe(self._publish, items, self._snapshot())
 
-    def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        for op, *args in pending:
+    def _apply_ops(self) -> list[tuple[str, dict]] | None:
+        """Engine thread: run the queued ops in order. Returns the error items of adds that failed,
+        or None if no request was added or aborted."""
+        errors: list[tuple[str, dict]] | None = None
+        while self._ops:
+            op, *args = self._ops.popleft()
+            if op == "call":
+                _run_call(*args)
+                continue
+            errors = [] if errors is None else errors
             try:
                 if op == "add":
+                    self._seqs_taken += args[2].n
                     self.engine.add_request(*args)
                 else:
                     self.engine.abort_request(*args)
             except Exception as e:  # e.g. the queue filled up since validation
-                queue = self._streams.get(args[0])
-                if queue is not None:
-                    queue.put_nowait(error_item(e))
-        self.on_change()  # gauges move on add/abort too
+                errors.append((args[0], error_item(e)))
+        return errors
+
+    def _snapshot(self) -> dict | None:
+        """Engine thread: the engine's metrics, if anyone listens for them."""
+        return self.engine.get_metrics() if self.on_change is not None else None
+
+    def _publish(self, items: list[tuple[str, dict]], metrics: dict | None) -> None:
+        """Event loop: queue each item on its request's stream (if still open); report new metrics."""
+        for rid, item in items:
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(item)
+        if metrics is not None:
+            self.metrics = metrics
+            self.on_change()
+
+    def call_between_steps(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run ``fn`` on the engine thread between two steps (an executor job would wait for the
+        whole burst); the returned future gets its result or exception. Call on the event loop."""
+        future: Future = Future()  # settled on the engine thread; wrap_future hops to the event loop
+        self._ops.append(("call", fn, future))
+        self._wakeup.set()
+        return asyncio.wrap_future(future)
 
     async def generate(self, prompt_token_ids: list[int], params: dict, prompt: str | None = None,
                        request_id: str | None = None, carrier: dict | None = None,
@@ -121,8 +176,7 @@ class EngineLoop:
             return
         try:
             sp = msgspec.convert(params, SamplingParams)
-            pending_seqs = sum(a[2].n for op, *a in self._pending if op == "add")
-            self.engine.check_request(rid, prompt_token_ids, sp, pending_seqs)
+            self.engine.check_request(rid, prompt_token_ids, sp, self._seqs_queued - self._seqs_taken)
         except (ValueError, msgspec.ValidationError) as e:
             yield error_item(e)
             return
@@ -130,7 +184,8 @@ class EngineLoop:
         self._streams[rid] = queue
         if carrier:
             self.carriers[rid] = carrier
-        self._pending.append(("add", rid, prompt_token_ids, sp, prompt, time.monotonic()))
+        self._seqs_queued += sp.n
+        self._ops.append(("add", rid, prompt_token_ids, sp, prompt, time.monotonic()))
         self._wakeup.set()
         finished = False
         try:
@@ -163,7 +218,7 @@ class EngineLoop:
             self._streams.pop(rid, None)
             self.carriers.pop(rid, None)
             if not finished:
-                self._pending.append(("abort", rid))
+                self._ops.append(("abort", rid))
                 self._wakeup.set()
 
     def drain(self) -> int:
@@ -177,7 +232,7 @@ class EngineLoop:
         streams = list(self._streams.items())
         for rid, queue in streams:
             queue.put_nowait(unavailable_item(SHUTTING_DOWN))
-            self._pending.append(("abort", rid))  # the stream ends "finished": it would not abort itself
+            self._ops.append(("abort", rid))  # the stream ends "finished": it would not abort itself
         self._wakeup.set()
         return len(streams)
 
@@ -192,3 +247,12 @@ class EngineLoop:
         if started is not None and time.monotonic() - started > self.step_timeout_s:
             raise EngineHung(f"engine step running for {time.monotonic() - started:.1f} s "
                              f"(> {self.step_timeout_s:.1f} s)")
+
+
+def _run_call(fn: Callable[[], Any], future: Future) -> None:
+    """Engine thread: run a queued call, unless its caller stopped waiting, into its future."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except Exception as e:
+            future.set_exception(e)

@@ -124,7 +124,8 @@ class VerifierServer:
             wait_for_drain(self.config.experts.namespace, self.drain))
 
     def _sync_metrics(self) -> None:
-        self.metrics.sync_from_engine(self.engine.get_metrics())
+        # The loop's snapshot, taken on the engine thread: reading the engine here could race a step.
+        self.metrics.sync_from_engine(self.loop.metrics)
 
     def build_engine(self) -> LLMEngine:
         """The default engine: target with expert actors, drafter per ``engine.speculative_method``."""
@@ -216,7 +217,8 @@ class VerifierServer:
 
     async def set_expert_hedging(self, enabled: bool) -> None:
         """Turn hedged expert calls on or off and forget the router's latency views (replica
-        EWMAs, hedge windows), so benchmark phases start alike. Runs on the engine thread."""
+        EWMAs, hedge windows), so benchmark phases start alike. Runs on the engine thread between
+        two steps (:meth:`EngineLoop.call_between_steps`)."""
         await self._ensure_started()
 
         def apply() -> None:
@@ -226,7 +228,7 @@ class VerifierServer:
                 for r in self.pool.all_replicas():
                     r.ewma_latency_ms = 0.0
 
-        await asyncio.get_running_loop().run_in_executor(self._executor, apply)
+        await self.loop.call_between_steps(apply)
 
     async def metrics_bytes(self) -> bytes:
         """Prometheus text of this replica's engine metrics (rendered off the event loop)."""

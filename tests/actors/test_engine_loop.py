@@ -230,3 +230,107 @@ def test_draining_ends_open_streams_with_503_frees_their_kv_and_refuses_new(expe
     assert all(item["type"] == "step" for item in rest[:-1])  # steps already queued still arrive first
     assert engine.kv.num_used == 0 and engine.finished_by_reason.get("abort") == 1
     assert [item["status"] for item in refused] == [503]
+
+
+class _CountingExecutor(ThreadPoolExecutor):
+    """The engine thread, counting the jobs the event loop hands it."""
+
+    def __init__(self) -> None:
+        super().__init__(1, thread_name_prefix="engine-test")
+        self.submissions = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.submissions += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def _record_steps(engine) -> tuple[list[str], threading.Event]:
+    """Wrap ``engine.step``: the name of the thread that ran each step, and a flag set while one runs."""
+    threads, in_step, step = [], threading.Event(), engine.step
+
+    def recorded():
+        threads.append(threading.current_thread().name)
+        in_step.set()
+        try:
+            return step()
+        finally:
+            in_step.clear()
+
+    engine.step = recorded
+    return threads, in_step
+
+
+def test_the_engine_thread_steps_back_to_back_while_requests_are_unfinished(expected_texts):
+    engine = build_engine(EngineArgs(model=TARGET, draft_model=DRAFT, num_speculative_tokens=3))
+    threads, _ = _record_steps(engine)
+    executor = _CountingExecutor()
+
+    async def run():
+        loop = EngineLoop(engine, executor)
+        return await asyncio.gather(*[_collect(loop, ids) for ids, _ in expected_texts[:2]])
+
+    results = asyncio.run(run())
+    assert [text for _, text in results] == [expected for _, expected in expected_texts[:2]]
+    assert set(threads) == {"engine-test_0"}
+    # One job per burst, not per step: the event loop did not hand out the steps one by one.
+    assert executor.submissions <= 2 and len(threads) >= 4 * executor.submissions
+
+
+def test_call_between_steps_runs_on_the_engine_thread_between_steps_of_a_streaming_request(expected_texts):
+    engine = build_engine(EngineArgs(model=TARGET))
+    _, in_step = _record_steps(engine)
+    seen = []
+
+    def probe() -> str:
+        seen.append((threading.current_thread().name, in_step.is_set(), engine.has_unfinished_requests(),
+                     engine.num_steps))
+        return "probed"
+
+    async def run():
+        loop = EngineLoop(engine, ThreadPoolExecutor(1, thread_name_prefix="engine-test"))
+        stream = loop.generate(expected_texts[0][0], {**PARAMS, "max_tokens": 200})
+        assert (await anext(stream))["type"] == "accepted"
+        assert (await anext(stream))["type"] == "step"
+        assert await loop.call_between_steps(probe) == "probed"
+        with pytest.raises(ZeroDivisionError):
+            await loop.call_between_steps(lambda: 1 / 0)
+        steps_at_probe = seen[0][3]
+        while engine.num_steps <= steps_at_probe + 2:  # the request streams on after the calls
+            assert (await anext(stream))["type"] == "step"
+        await stream.aclose()
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return await loop.call_between_steps(threading.current_thread)  # idle: a burst of the call alone
+
+    idle_thread = asyncio.run(run())
+    # Not inside a step, and while the request was unfinished (not after a whole burst).
+    assert seen[0][:3] == ("engine-test_0", False, True)
+    assert idle_thread.name == "engine-test_0"
+    assert engine.kv.num_used == 0 and engine.finished_by_reason.get("abort") == 1
+
+
+def test_metrics_snapshots_are_taken_on_the_engine_thread(expected_texts):
+    engine = build_engine(EngineArgs(model=TARGET))
+    threads, _ = _record_steps(engine)
+    taken, get_metrics = [], engine.get_metrics
+
+    def recorded_get_metrics() -> dict:
+        taken.append((threading.current_thread().name, get_metrics()))
+        return taken[-1][1]
+
+    engine.get_metrics = recorded_get_metrics
+    reported = []
+
+    async def run():
+        loop = EngineLoop(engine, ThreadPoolExecutor(1, thread_name_prefix="engine-test"),
+                          on_change=lambda: reported.append(loop.metrics))
+        return await _collect(loop, expected_texts[0][0])
+
+    asyncio.run(run())
+    assert taken and {name for name, _ in taken} == {"engine-test_0"}
+    assert len(reported) == len(taken) == len(threads) + 1  # every step, and the add
+    assert all(r is t for r, (_, t) in zip(reported, taken))  # on_change sees each snapshot, in order
+    assert reported[0]["num_waiting"] == 1 and reported[-1]["finished_by_reason"] == {"length": 1}
+    assert reported[-1]["kv_slots_used"] == 0
