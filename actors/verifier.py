@@ -183,8 +183,12 @@ class VerifierServer:
         return self.loop.drain() if self.loop is not None else 0
 
     async def stats(self) -> dict:
-        """Engine totals and pool state (tests, /health, benchmarks)."""
+        """Engine totals and pool state (tests, /health, benchmarks), read on the engine thread
+        between two steps: a running step changes both (a hung step: /health times out)."""
         await self._ensure_started()
+        return await self.loop.call_between_steps(self._stats_now)
+
+    def _stats_now(self) -> dict:
         m = self.engine.get_metrics()
         m["expert_retries"] = self.router.num_retries if self.router else 0
         m["expert_hedges"] = self.router.num_hedges if self.router else 0
