@@ -9,7 +9,9 @@ to ``--short-prompt-tokens``) run closed-loop: a finished one is replaced at onc
 joined, near the 1024-token context window) arrives every ``--long-every-s`` seconds. ITL is the time between two consecutive token
 emissions of one short request (a step that emits several tokens counts once: what a streaming
 client sees). Reported per scheduler configuration: FCFS whole-prompt prefill (the baseline) and
-chunked prefill at each token budget, p50/p99 ITL without and with interference and their ratio.
+chunked prefill at each token budget (and, with ``--tpot-ms`` / ``--itl-ms``, chunks sized by an SLO
+class's TPOT budget, capped by its ITL budget), p50/p99 ITL without and with interference and
+their ratio.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=6)
     parser.add_argument("--tpot-ms", default="", help="also run chunked prefill sized by these TPOT budgets "
                         "(comma-separated ms; an SLO class every request is in) at the 4096-token budget")
+    parser.add_argument("--itl-ms", default="", help="also run each --tpot-ms budget with these ITL caps "
+                        "(comma-separated ms; SLOClass.itl_ms)")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -100,15 +104,18 @@ def main() -> None:
     n = args.long_prompt_tokens
     longs = [joined[i * n:(i + 1) * n] for i in range(min(8, len(joined) // n))]
     configs = [("fcfs", 4096, False, None)] + [(f"chunked-{b}", int(b), True, None) for b in args.budgets.split(",")]
-    configs += [(f"tpot-{t}ms", 4096, True, float(t)) for t in args.tpot_ms.split(",") if t]
+    tpots = [float(t) for t in args.tpot_ms.split(",") if t]
+    itls = [None] + [float(i) for i in args.itl_ms.split(",") if i]
+    configs += [(f"tpot-{t:g}ms" + (f"-itl-{i:g}ms" if i else ""), 4096, True, SLOClass(tpot_ms=t, itl_ms=i))
+                for t in tpots for i in itls]
     results = []
-    for name, budget, chunked, tpot_ms in configs:
+    for name, budget, chunked, slo in configs:
         llm = LLM(TARGET, draft_model=DRAFT, num_speculative_tokens=args.num_speculative_tokens,
                   max_num_seqs=args.concurrency + 4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
-        if tpot_ms is not None:  # every request in one class whose TPOT budget sizes the chunks
+        if slo is not None:  # every request in one class whose budgets size the chunks
             cfg = llm.engine.scheduler.config
             llm.engine.scheduler.config = msgspec.structs.replace(
-                cfg, slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)}, default_slo_class="interactive")
+                cfg, slo_classes={"interactive": slo}, default_slo_class="interactive")
         llm.generate(shorts[:4], SamplingParams(temperature=0.0, max_tokens=16))  # warm-up
         alone = run(llm, shorts, longs, args, interfere=False)
         mixed = run(llm, shorts, longs, args, interfere=True)

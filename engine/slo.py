@@ -25,14 +25,20 @@ class SLOClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     Attributes:
         ttft_ms: time to first token, ms.
         tpot_ms: time per output token after the first, ms; also the inter-token budget the
-            scheduler keeps a step under when it sizes prefill chunks.
+            scheduler keeps a step under when it sizes prefill chunks (a decode ahead of its
+            budget lets a step spend part of its slack: one long gap, the same TPOT).
+        itl_ms: longest gap between two stream items of a decoding request that the scheduler
+            lets a prefill chunk cause, ms (p99 inter-token latency); it caps what the TPOT slack
+            would allow. Not judged in attainment (TPOT is). None: only the TPOT budget sizes
+            chunks.
     """
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    itl_ms: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ttft_ms", "tpot_ms"):
+        for name in ("ttft_ms", "tpot_ms", "itl_ms"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
@@ -138,7 +144,9 @@ class SLOPolicy:
         share of its projected slack (:func:`projected_slack_s`: the time its TPOT budget leaves
         over its remaining decode-only steps), and never less than its TPOT budget times the
         tokens it is expected to emit in the step (:meth:`SpeculationController.expected_tokens`
-        at its last draft length). A flat per-step cap sized chunks for the worst case and slowed
+        at its last draft length). Its class's ``itl_ms`` caps the allowance: slack buys one long
+        gap in a stream at the same TPOT, and that gap is the p99 ITL a client sees. A flat
+        per-step cap sized chunks for the worst case and slowed
         bursts' TTFT: the production mix's 13-token completions have 50 ms x 12 of TPOT budget
         and decode steps of ~10-20 ms."""
         if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
@@ -147,11 +155,18 @@ class SLOPolicy:
         now, decode_s, budgets = time.monotonic(), predict(decode_tokens), []
         for s in decodes:
             slo = self.config.slo_for(s.params.slo_class)[1]
-            if slo is not None and slo.tpot_ms:
+            if slo is None:
+                continue
+            allowance_ms = math.inf
+            if slo.tpot_ms:
                 k = self.controller.last.k.get(s.seq_id, 0)
                 slack_s = projected_slack_s(s, slo.tpot_ms / 1e3, now, self.steps_left(s), decode_s)
-                budgets.append(step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
-                                                 decode_s * 1e3, None if slack_s is None else slack_s * 1e3))
+                allowance_ms = step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
+                                                 decode_s * 1e3, None if slack_s is None else slack_s * 1e3)
+            if slo.itl_ms:  # the gap this step makes in its stream, whatever the slack allows
+                allowance_ms = min(allowance_ms, slo.itl_ms)
+            if allowance_ms < math.inf:
+                budgets.append(allowance_ms)
         if not budgets:
             return None
         return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens, predict)

@@ -301,6 +301,31 @@ def test_a_decode_with_tpot_slack_lets_a_larger_chunk_through(monkeypatch):
         assert policy.prefill_limit([ahead, other], 2) == prefill_token_limit([20.0], 2, 4096, linear)  # tightest
 
 
+def test_an_itl_budget_caps_what_tpot_slack_allows(monkeypatch):
+    """Slack buys one long gap at the same TPOT; a class's itl_ms caps that gap (the p99 ITL a
+    streaming client sees), and a class with only itl_ms still sizes chunks."""
+    from types import SimpleNamespace
+
+    def decode(sid, cls):
+        metrics = RequestMetrics(arrival_time_s=990.0, first_token_time_s=999.9)  # 114.9 ms of slack
+        return SimpleNamespace(seq_id=sid, params=SamplingParams(max_tokens=12, slo_class=cls), num_output_tokens=11,
+                               request=SimpleNamespace(metrics=metrics))
+
+    classes = {"tpot": SLOClass(tpot_ms=20.0), "capped": SLOClass(tpot_ms=20.0, itl_ms=30.0),
+               "itl": SLOClass(itl_ms=12.0), "tight": SLOClass(tpot_ms=20.0, itl_ms=10.0)}
+    policy, linear = policy_at_1000_s(monkeypatch, classes, default_slo_class="tpot")
+    assert 573 <= policy.prefill_limit([decode("a", "tpot")], 1) <= 574  # 5.1 + 114.9 / 2 ms, uncapped
+    capped = policy.prefill_limit([decode("a", "capped")], 1)
+    assert capped == prefill_token_limit([30.0], 1, 4096, linear) and 248 <= capped <= 249  # 5 + 0.1 x (1 + c) <= 30
+    only_itl = policy.prefill_limit([decode("a", "itl")], 1)
+    assert only_itl == prefill_token_limit([12.0], 1, 4096, linear) and 68 <= only_itl <= 69
+    # below the TPOT floor too (20 ms a token): the gap is what the client sees
+    tight = policy.prefill_limit([decode("a", "tight")], 1)
+    assert tight == prefill_token_limit([10.0], 1, 4096, linear) and 48 <= tight <= 49
+    with pytest.raises(ValueError, match="itl_ms"):
+        SLOClass(itl_ms=0.0)
+
+
 def test_slack_sized_chunks_in_the_engine():
     """The engine's own chunk: a running decode that has just emitted its first token, with 37
     more to go, has most of its TPOT budget ahead of it and lets the whole ~865-token prompt
