@@ -3,7 +3,9 @@ failure reasons, Poisson arrivals and time limits (against the scripted stub whe
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -97,11 +99,36 @@ def test_failure_reasons_stream_error_malformed_truncation_timeout(stub):
     assert result.metrics.failure_reasons["timeout after 0.4 s"] == 1
 
 
-def test_poisson_arrivals_follow_the_seeded_schedule(stub):
+class _DispatchClock:
+    """The load generator's clock and sleep, virtual: time moves only when the dispatcher sleeps,
+    so a request's recorded start is when the dispatcher sent it, whatever the machine's timer
+    lateness (on a loaded 2-core VM a real wake-up once came 31 ms late). The stub server runs in
+    its own thread on the real clock."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now_s
+
+    async def sleep(self, delay_s: float) -> None:
+        for _ in range(3):  # the send tasks created so far run up to their first await: they record their start
+            await asyncio.sleep(0)
+        self.now_s += max(0.0, delay_s)
+
+
+def test_poisson_arrivals_follow_the_seeded_schedule(stub, monkeypatch):
+    from benchmarks.serving import loadgen
+
+    clock = _DispatchClock()
+    monkeypatch.setattr(loadgen, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(loadgen, "asyncio", SimpleNamespace(sleep=clock.sleep, create_task=asyncio.create_task,
+                                                            gather=asyncio.gather, Semaphore=asyncio.Semaphore))
     shape = LoadShape(concurrency=None, request_rate_per_s=10.0, seed=7)
     result = run(stub, ["gamma"] * 5, shape)
     expected = poisson_arrival_offsets_s(5, 10.0, seed=7)
-    assert [r.start_s for r in result.results] == pytest.approx(expected, abs=TOL_S)
+    assert [r.start_s for r in result.results] == pytest.approx(expected, abs=1e-9)
+    assert sorted(expected) == expected and len(set(expected)) == 5
     assert result.metrics.completed == 5
 
 
