@@ -1,4 +1,6 @@
-"""One local Ray + Serve app for all HTTP tests in the session (start-up costs ~20 s)."""
+"""One local Ray + Serve app for all HTTP tests of this package (start-up costs ~20 s). It is
+package-scoped, not session-scoped: stopped when tests/actors ends, so its idle processes do not
+take CPU from the timing-sensitive tests that run after it (tests/benchmarks' stub tests)."""
 
 import socket
 
@@ -50,7 +52,7 @@ def otlp_receiver():
     receiver.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def served(otlp_receiver):
     """(base_url, config, verifier handle) of the running app."""
     from ray import serve
@@ -64,7 +66,7 @@ def served(otlp_receiver):
     serve_app.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def client(served):
     import openai
 
