@@ -47,17 +47,16 @@ class EngineLoop:
         executor: the engine thread (one worker); the engine is only touched there, and on the
             event loop only while no burst runs.
         step_timeout_s: longest healthy step, seconds.
-        on_change: called on the event loop after every step and every add/abort batch, once
-            :attr:`metrics` holds the engine's metrics as of then (metrics).
+        on_change: called on the event loop after every step and every add/abort batch with the
+            engine's metrics as of then (``get_metrics()``, taken on the engine thread: a running
+            step may resize its dicts).
         carriers: request id -> W3C trace carrier map shared with the engine's step observer.
     """
 
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor, step_timeout_s: float = 60.0,
-                 on_change: Callable[[], None] | None = None, carriers: dict | None = None) -> None:
+                 on_change: Callable[[dict], None] | None = None, carriers: dict | None = None) -> None:
         self.engine, self.executor, self.step_timeout_s = engine, executor, step_timeout_s
         self.on_change = on_change
-        # engine.get_metrics(), taken on the engine thread: a running step may resize its dicts.
-        self.metrics: dict | None = None
         self.carriers = carriers if carriers is not None else {}
         self._streams: dict[str, asyncio.Queue] = {}
         # ("add", ...), ("abort", rid), ("call", fn, future): appended on the event loop only,
@@ -141,8 +140,7 @@ class EngineLoop:
             if queue is not None:
                 queue.put_nowait(item)
         if metrics is not None:
-            self.metrics = metrics
-            self.on_change()
+            self.on_change(metrics)
 
     def call_between_steps(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run ``fn`` on the engine thread between two steps (an executor job would wait for the

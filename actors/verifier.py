@@ -123,9 +123,9 @@ class VerifierServer:
         self._drain_watch = asyncio.get_running_loop().create_task(
             wait_for_drain(self.config.experts.namespace, self.drain))
 
-    def _sync_metrics(self) -> None:
+    def _sync_metrics(self, engine_metrics: dict) -> None:
         # The loop's snapshot, taken on the engine thread: reading the engine here could race a step.
-        self.metrics.sync_from_engine(self.loop.metrics)
+        self.metrics.sync_from_engine(engine_metrics)
 
     def build_engine(self) -> LLMEngine:
         """The default engine: target with expert actors, drafter per ``engine.speculative_method``."""

@@ -42,7 +42,7 @@ def test_concurrent_streams_equal_the_offline_api(expected_texts):
     changes = []
 
     async def run():
-        loop = _new_loop(engine, on_change=lambda: changes.append(1))
+        loop = _new_loop(engine, on_change=lambda _metrics: changes.append(1))
         return await asyncio.gather(*[_collect(loop, ids) for ids, _ in expected_texts])
 
     results = asyncio.run(run())
@@ -325,7 +325,7 @@ def test_metrics_snapshots_are_taken_on_the_engine_thread(expected_texts):
 
     async def run():
         loop = EngineLoop(engine, ThreadPoolExecutor(1, thread_name_prefix="engine-test"),
-                          on_change=lambda: reported.append(loop.metrics))
+                          on_change=reported.append)
         return await _collect(loop, expected_texts[0][0])
 
     asyncio.run(run())
