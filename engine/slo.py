@@ -146,9 +146,8 @@ class SLOPolicy:
         tokens it is expected to emit in the step (:meth:`SpeculationController.expected_tokens`
         at its last draft length). Its class's ``itl_ms`` caps the allowance: slack buys one long
         gap in a stream at the same TPOT, and that gap is the p99 ITL a client sees. A flat
-        per-step cap sized chunks for the worst case and slowed
-        bursts' TTFT: the production mix's 13-token completions have 50 ms x 12 of TPOT budget
-        and decode steps of ~10-20 ms."""
+        per-step cap sized chunks for the worst case and slowed bursts' TTFT: the production
+        mix's 13-token completions have 50 ms x 12 of TPOT budget and decode steps of ~10-20 ms."""
         if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
             return None
         predict = self.step_predictor()
