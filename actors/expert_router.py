@@ -273,6 +273,7 @@ class ExpertRouter:
 
     def _submit_graph(self, layer: int, calls: list[Call], ctx: Any, members: list[Replica]):
         """Submit the layer as one compiled-graph execution (None: no graph is live any more)."""
+        self.graph.wake()  # a parked graph's wake-up is not the calls' latency
         sent_s = time.time()
         index = {id(m): i for i, m in enumerate(members)}
         per_member: list = [None] * len(members)

@@ -1,5 +1,7 @@
 """One request's trace spans every process; slow experts are flagged; metrics add up exactly."""
 
+import collections
+import statistics
 import time
 
 import httpx
@@ -80,8 +82,22 @@ def _sum(samples: dict, name: str, **labels) -> float:
                if n == name and all(dict(lab).get(k) == str(val) for k, val in labels.items()))
 
 
+def _with_compute_spans(receiver, spans: list, timeout_s: float = 15.0) -> list:
+    """``spans`` once every expert call span in them has its actor's compute span (the actors
+    export on their own schedule): the compute span names the experts that got tokens."""
+    trace_id = spans[0].trace_id
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = [s for s in receiver.spans if s.trace_id == trace_id]
+        parents = {s.parent_span_id for s in spans if s.name == sc.SPAN_EXPERT_COMPUTE}
+        calls = [s for s in spans if s.name == sc.SPAN_EXPERT_CALL]
+        if all(c.span_id in parents for c in calls) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
+
+
 def test_slow_expert_is_flagged_and_counted(served, otlp_receiver):
-    url, _, handle = served
+    url, config, handle = served
     slow_group = 1  # experts 2 and 3
     # Let the previous test's traffic go idle (its compiled graphs park after 2 s): the slow
     # group's calls are judged on their own, by the actor's end of compute on either transport.
@@ -92,24 +108,43 @@ def test_slow_expert_is_flagged_and_counted(served, otlp_receiver):
         body = _complete(url, "import collections\n", max_tokens=6)
     finally:
         handle.set_expert_delay_ms.remote(slow_group, 0.0).result()
-    spans = _trace_of(otlp_receiver, body["id"])
+    spans = _with_compute_spans(otlp_receiver, _trace_of(otlp_receiver, body["id"]))
     calls = [s for s in spans if s.name == sc.SPAN_EXPERT_CALL]
     per_dispatch = {}
     for s in calls:
         per_dispatch.setdefault(s.parent_span_id, []).append(s)
+
+    def latency_ms(s) -> float:
+        return s.attributes[sc.EXPERT_QUEUE_TIME_MS] + s.attributes[sc.EXPERT_COMPUTE_TIME_MS]
+
+    # Every call's flag is the rule applied to its own dispatch: above multiple x the median and
+    # the floor. (A fast group can straggle too: a reader starved of a core for 20 ms on this
+    # 2-core VM is one, and is flagged as one.)
+    rule = config.experts
+    for group in per_dispatch.values():
+        bound_ms = max(rule.straggler_multiple * statistics.median(latency_ms(s) for s in group),
+                       rule.straggler_floor_ms)
+        for s in group:
+            if abs(latency_ms(s) - bound_ms) > 1e-6:
+                assert s.attributes[sc.EXPERT_STRAGGLER] == (latency_ms(s) > bound_ms), s.attributes
     # With two calls the median is their mean, so a dispatch needs three or more calls to judge.
-    judged = [s for group in per_dispatch.values() if len(group) >= 3 for s in group]
-    slow = [s for s in judged if s.attributes[sc.EXPERT_ID] == "2,3"]
-    fast = [s for s in calls if s.attributes[sc.EXPERT_ID] != "2,3"]
-    assert slow and all(s.attributes[sc.EXPERT_STRAGGLER] for s in slow)
-    assert all(s.attributes[sc.EXPERT_QUEUE_TIME_MS] + s.attributes[sc.EXPERT_COMPUTE_TIME_MS] >= 150 for s in slow)
-    assert fast and not any(s.attributes[sc.EXPERT_STRAGGLER] for s in fast)
+    judged = [group for group in per_dispatch.values() if len(group) >= 3]
+    slow = [s for group in judged for s in group if s.attributes[sc.EXPERT_ID] == "2,3"]
+    assert slow and all(s.attributes[sc.EXPERT_STRAGGLER] and latency_ms(s) >= 150 for s in slow)
+    # The slow group's delay does not spill onto the calls it shares a dispatch with: each is
+    # timed to its own actor's end of compute, even where all come back together.
+    beside_slow = [s for group in judged if any(x in slow for x in group) for s in group if s not in slow]
+    assert beside_slow and not any(s.attributes[sc.EXPERT_STRAGGLER] or latency_ms(s) >= 150 for s in beside_slow)
+    # The counter adds one per expert with tokens in a flagged call, as the trace shows.
+    compute = {s.parent_span_id: s for s in spans if s.name == sc.SPAN_EXPERT_COMPUTE}
+    flags_per_expert = collections.Counter(
+        int(e) for s in calls if s.attributes[sc.EXPERT_STRAGGLER]
+        for e in compute[s.span_id].attributes[sc.EXPERT_ID].split(","))
     after = _samples(url)
     name = "specmoe:expert_stragglers_total"
-    for expert in (2, 3):
-        assert _sum(after, name, expert=expert) > _sum(before, name, expert=expert)
-    for expert in (0, 1, 4, 5, 6, 7):
-        assert _sum(after, name, expert=expert) == _sum(before, name, expert=expert)
+    for expert in range(8):
+        assert _sum(after, name, expert=expert) - _sum(before, name, expert=expert) == flags_per_expert[expert]
+    assert flags_per_expert[2] + flags_per_expert[3] > 0
 
 
 def test_metrics_match_requests_and_usage_exactly(served):
