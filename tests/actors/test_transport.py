@@ -251,21 +251,23 @@ def test_killing_an_expert_actor_in_the_served_graph_changes_no_output(served, r
     assert after["failures"] == before["failures"] + 1
 
 
-def _ray_worker_cpu_s() -> dict[int, float]:
-    """CPU seconds of every Ray worker process on this machine (``ray::`` processes)."""
+def _ray_worker_cpu_s() -> dict[int, tuple[str, float]]:
+    """(process title, CPU seconds) of every Ray worker process on this machine (``ray::``
+    processes: ``ray::IDLE`` for a pooled worker that holds no actor)."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if not f.read().startswith(b"ray::"):
-                    continue
+                title = f.read().split(b"\0")[0].decode(errors="replace").strip()
+            if not title.startswith("ray::"):
+                continue
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[int(pid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[int(pid)] = title, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
 
@@ -281,12 +283,15 @@ def test_an_idle_server_does_not_burn_a_core(served):
     window_s = 60.0
     time.sleep(window_s)
     after = _ray_worker_cpu_s()
-    used = {p: after[p] - before[p] for p in before if p in after}
+    used = {p: (after[p][0], after[p][1] - before[p][1]) for p in before if p in after}
     # A polling compiled-graph reader burns 20-60 s of this minute in its own process; idle Ray
     # workers (Serve's controller polling included) use well under 1 s each (measured: <= 1.6 s).
-    busiest = max(used.values())
-    assert busiest < 0.05 * window_s, f"a Ray worker used {busiest:.1f} CPU s in an idle {window_s:.0f} s"
-    assert sum(used.values()) < 0.25 * window_s, f"Ray workers used {sum(used.values()):.1f} CPU s idle"
+    busiest = max(s for _, s in used.values())
+    assert busiest < 0.05 * window_s, f"a Ray worker used {busiest:.1f} CPU s in an idle {window_s:.0f} s: {used}"
+    # The server's own processes together: Ray's pooled ``IDLE`` workers hold no actor of it (how
+    # many there are depends on what earlier tests ran on this Ray; ~0.8 s a minute each).
+    server = sum(s for title, s in used.values() if title != "ray::IDLE")
+    assert server < 0.25 * window_s, f"the server's Ray workers used {server:.1f} CPU s idle: {used}"
 
 
 def test_releases_do_not_pile_up_while_nothing_drafts(served):
