@@ -86,3 +86,16 @@ class Attempt:
     hedge_at: float | None = None  # monotonic time to hedge at (first sends only)
     hedge: bool = False
     waited_ms: float = 0.0  # how long it had run when its hedge was sent (observed as its latency)
+
+
+def record_answer(rec: CallRecord, replica: Replica, timing: dict, sent_s: float | None = None) -> float:
+    """Record the answer of ``replica`` (its ``timing``: ``start_s`` wall seconds, ``compute_ms``)
+    to a call sent at ``sent_s`` (default the record's first send; a hedge has its own); feeds
+    the replica's latency EWMA and returns that attempt's own latency, milliseconds."""
+    # The call's end is the actor's end of compute, so each call has its own latency even when
+    # several arrive together (a compiled graph returns all of a layer at once).
+    rec.done_s = max(rec.sent_s, timing["start_s"] + timing["compute_ms"] / 1e3)
+    rec.timing, rec.replica = timing, replica.name
+    own_ms = max(0.0, (rec.done_s - (rec.sent_s if sent_s is None else sent_s)) * 1e3)
+    replica.observe_latency(own_ms)
+    return own_ms

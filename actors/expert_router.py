@@ -9,17 +9,12 @@ transports (``experts.transport``):
   fastest replica of every group plus the guest replicas; while the graph builds, after it failed,
   or for a retry, the layer goes by actor calls. The graph is rebuilt when the replicas change
   (:mod:`actors.replication`) or when a member turns into a straggler next to a replica outside it.
-* ``actor_calls``: one ``.remote()`` per call, then ``ray.wait`` per arrival. A call that fails
-  (dead actor) or times out is retried on another replica of the group, re-creating the actor when
-  none is left.
+* ``actor_calls``: one ``.remote()`` per call, retried on another replica when it fails and
+  hedged past its group's deadline (:mod:`actors.actor_calls`).
 
 Either way a group's rows go to its replicas with the least expected completion, split in even
 contiguous parts over several of them when there are enough rows, stragglers avoided and probed
 (:mod:`actors.replica_choice`); each answered call feeds its actor's latency EWMA.
-  With >= 2 live replicas, a call not back by its group's hedge deadline (``experts.hedge_*``:
-  a factor times a recent-latency quantile, at least a floor) is also sent to another replica;
-  the first answer wins, the other is cancelled and its late result never read
-  (:mod:`actors.hedging`).
 
 Experts are deterministic, so a retried or re-routed layer gives the same output.
 """
@@ -35,23 +30,17 @@ from typing import Any
 import ray
 import torch
 
+from actors.actor_calls import ActorCalls
 from actors.compiled_graph import ActorGraph
-from actors.expert_calls import Attempt, Call, CallRecord, NullTelemetry
+from actors.expert_calls import Call, CallRecord, NullTelemetry, record_answer
 from actors.expert_pool import ExpertPool, Replica
-from actors.hedging import HedgePolicy, Losers
 from actors.replica_choice import choose, is_avoided, probe_due, split_counts
 from actors.replication import Rebalancer
-from actors.wire import from_bytes, from_wire, to_bytes, to_wire
+from actors.wire import from_bytes, to_bytes
 from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
 
 log = logging.getLogger(__name__)
-
-RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-
-class ExpertCallFailed(RuntimeError):
-    """Every attempt for an expert group failed."""
 
 
 class ExpertRouter:
@@ -71,12 +60,7 @@ class ExpertRouter:
         self.graph = ActorGraph.from_config("expert", self._graph_members, lambda n: (None, [None] * n, 0.0),
                                             pool.config) if graph else None
         self.telemetry = telemetry or NullTelemetry()
-        self.timeout_s = pool.config.call_timeout_s
-        self.max_attempts = pool.config.max_attempts
-        self.num_retries = 0
-        self.hedging = HedgePolicy(pool.config)
-        self.losers = Losers(ray)
-        self.num_hedges = 0
+        self.actor_calls = ActorCalls(pool, self.telemetry)  # every layer without a live graph, retries, probes
         self.num_graph_layers = 0
         self.num_overlapped_layers = 0  # graph layers submitted while another was still out
         self.num_call_layers = 0
@@ -99,7 +83,7 @@ class ExpertRouter:
         """``(num_tokens, hidden_size)`` -> the routing-weighted sum of each token's experts.
 
         Raises:
-            ExpertCallFailed: a group failed ``max_attempts`` times.
+            actors.actor_calls.ExpertCallFailed: a group failed ``max_attempts`` times.
         """
         return self.submit(layer, hidden, routing)()
 
@@ -161,7 +145,7 @@ class ExpertRouter:
                 if results is None and members and calls:
                     self._abandon(calls)
                 if results is None:
-                    results = self._via_actor_calls(layer, calls, ctx)
+                    results = self.actor_calls.run(layer, calls, ctx)
                     self.num_call_layers += 1
                 else:
                     self.num_graph_layers += 1
@@ -180,7 +164,7 @@ class ExpertRouter:
 
     def _between_dispatches(self) -> None:
         """Reap ended losers and probes, let the rebalancer act, rebuild a stale graph."""
-        self.losers.reap()
+        self.actor_calls.losers.reap()
         if self.rebalancer is not None:
             try:
                 self.rebalancer.step()
@@ -264,11 +248,11 @@ class ExpertRouter:
                 interval_s = 0.0 if straggled and outside else cfg.probe_interval_s
                 if probe_due(r, chosen[g], interval_s, outside, now):
                     try:
-                        probe = self._send(layer, c, r)
+                        probe = self.actor_calls.send(layer, c, r)
                     except Exception:  # a probe is optional; the next real call finds a dead replica
                         log.debug("probing %s failed", r.name, exc_info=True)
                         continue
-                    self.losers.add_probe(probe.ref, r, c.record.rows, probe.sent_s, probe.sent_mono_s)
+                    self.actor_calls.losers.add_probe(probe.ref, r, c.record.rows, probe.sent_s, probe.sent_mono_s)
                     self.num_probes += 1
 
     def _submit_graph(self, layer: int, calls: list[Call], ctx: Any, members: list[Replica]):
@@ -301,7 +285,7 @@ class ExpertRouter:
         for c in calls:
             result, timing = results[index[id(c.replica)]]
             free_s = self._actor_free_s.get(id(c.replica), 0.0)
-            self._done(c.record, c.replica, timing, max(c.record.sent_s, free_s))
+            record_answer(c.record, c.replica, timing, max(c.record.sent_s, free_s))
             self._actor_free_s[id(c.replica)] = c.record.done_s
             out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
@@ -311,140 +295,6 @@ class ExpertRouter:
         for c in calls:
             self.telemetry.abandon_call(c.record, "compiled graph failed")
             c.record.attempts = 0
-
-    def _via_actor_calls(self, layer: int, calls: list[Call], ctx: Any) -> list:
-        """Every group's call in flight at once; hedged past its deadline; retried on another
-        replica until ``max_attempts``."""
-        results: dict[int, Any] = {}  # id(call) -> its output rows
-        todo = list(calls)
-        while todo:
-            inflight: dict[Any, Attempt] = {}
-            for c in todo:
-                rec = c.record
-                if rec.attempts >= self.max_attempts:
-                    raise ExpertCallFailed(f"layer {rec.layer} experts {rec.expert_ids}: all {self.max_attempts} "
-                                           f"attempts failed ({'; '.join(rec.errors)})")
-                planned = c.replica if rec.attempts == 0 and c.replica is not None and c.replica.alive else None
-                replica = planned or self._pick(rec.group)
-                rec.attempts, rec.replica, rec.transport = rec.attempts + 1, replica.name, "actor_call"
-                rec.sent_s = time.time()
-                c.carrier = self.telemetry.call_carrier(ctx, rec)
-                attempt = self._send(layer, c, replica)
-                deadline_ms = self.hedging.deadline_ms(rec.group, len(self.pool.alive(rec.group)))
-                if deadline_ms is not None:
-                    attempt.hedge_at = attempt.sent_mono_s + deadline_ms / 1e3
-                inflight[attempt.ref] = attempt
-            todo = self._collect(layer, inflight, results)
-        return [results[id(c)] for c in calls]
-
-    def _send(self, layer: int, c: Call, replica: Replica) -> Attempt:
-        """One ``forward`` call of ``c``'s rows to ``replica`` (its rows count as outstanding there)."""
-        if c.wire is None:
-            c.wire = to_wire(c.hidden)
-        sent_s, sent_mono_s = time.time(), time.monotonic()
-        args = (layer, c.record.counts, c.wire, c.weights.numpy(), sent_s, c.carrier, c.hint)
-        if replica.host is not None:  # a guest: its host also holds its own group's experts
-            args = (*args, c.record.expert_ids)
-        ref = replica.handle.forward.remote(*args)
-        replica.begin(c.record.rows, sent_mono_s)
-        return Attempt(ref, c, replica, sent_s, sent_mono_s)
-
-    def _collect(self, layer: int, inflight: dict, results: dict) -> list[Call]:
-        """Wait for each call as it arrives (so each gets its own latency), hedging the ones past
-        their deadline; return the calls to retry (every attempt failed or timed out)."""
-        retry: list[Call] = []
-        deadline = time.monotonic() + self.timeout_s
-        pending = list(inflight)
-        while pending:
-            self._hedge_due(layer, inflight, pending)
-            hedge_at = [a.hedge_at for a in inflight.values() if a.hedge_at is not None]
-            wake = min([deadline, *hedge_at])
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, wake - time.monotonic()))
-            if not ready:
-                if wake >= deadline:
-                    break
-                continue  # a hedge deadline passed
-            a = inflight.pop(ready[0])
-            c, replica = a.call, a.replica
-            replica.end(c.record.rows)
-            twins = [ref for ref in pending if inflight[ref].call is c]
-            try:
-                result, timing = ray.get(ready[0])
-            except RETRYABLE as e:
-                if twins:  # the call's other attempt may still answer
-                    self._lost_attempt(c, replica, type(e).__name__)
-                    continue
-                self._failed(c, replica, type(e).__name__, dead=True)
-                retry.append(c)
-                continue
-            own_ms = self._done(c.record, replica, timing, a.sent_s)
-            self.hedging.observe(c.record.group, own_ms)
-            c.record.hedge_won = a.hedge
-            if a.hedge:  # a fresh head-to-head: the winner's view is its latency now (a stale EWMA
-                replica.ewma_latency_ms = own_ms  # would send the next call back to the straggler)
-            results[id(c)] = from_wire(result, c.hidden.dtype, c.hidden.device)
-            for ref in twins:  # the loser: cancelled, its late result never read
-                pending.remove(ref)
-                loser = inflight.pop(ref)
-                self.losers.add(ref, loser.replica, c.record.rows, loser.sent_mono_s, loser.waited_ms)
-        timed_out: dict[int, Call] = {}
-        for ref in pending:
-            a = inflight[ref]
-            a.replica.end(a.call.record.rows)
-            a.replica.observe_latency(self.timeout_s * 1e3)  # prefer other replicas next time
-            if id(a.call) not in timed_out:
-                timed_out[id(a.call)] = a.call
-                # A hung sole replica is as good as dead.
-                self._failed(a.call, a.replica, "timeout", dead=len(self.pool.alive(a.call.record.group)) == 1)
-                retry.append(a.call)
-        return retry
-
-    def _hedge_due(self, layer: int, inflight: dict, pending: list) -> None:
-        """Send every call whose hedge deadline has passed to another live replica (once a call)."""
-        now = time.monotonic()
-        for a in [a for a in inflight.values() if a.hedge_at is not None and a.hedge_at <= now]:
-            a.hedge_at = None
-            busy = {inflight[ref].replica.name for ref in pending if inflight[ref].call is a.call}
-            others = [r for r in self.pool.alive(a.call.record.group) if r.name not in busy]
-            if not others:
-                continue
-            other = min(others, key=lambda r: (r.stats.expected_ms(), r.outstanding_rows, r.index))
-            waited_ms = a.waited_ms = (now - a.sent_mono_s) * 1e3
-            # At least this slow now: the router prefers the other replica once the hedge wins.
-            a.replica.ewma_latency_ms = max(a.replica.ewma_latency_ms, waited_ms)
-            hedge = self._send(layer, a.call, other)
-            hedge.hedge = True
-            inflight[hedge.ref] = hedge
-            pending.append(hedge.ref)
-            a.call.record.hedges += 1
-            self.num_hedges += 1
-            self.telemetry.hedge_call(a.call.record, a.replica.name, other.name, waited_ms)
-
-    def _lost_attempt(self, c: Call, replica: Replica, reason: str) -> None:
-        """One attempt of a hedged call failed while its twin is still in flight."""
-        c.record.errors.append(f"{replica.name}: {reason}")
-        self.losers.forget(replica)
-        self.pool.recreate(replica)
-
-    def _failed(self, c: Call, replica: Replica, reason: str, dead: bool) -> None:
-        c.record.errors.append(f"{replica.name}: {reason}")
-        self.telemetry.abandon_call(c.record, reason)
-        self.num_retries += 1
-        if dead:
-            self.losers.forget(replica)
-            self.pool.recreate(replica)
-
-    @staticmethod
-    def _done(rec: CallRecord, replica: Replica, timing: dict, sent_s: float | None = None) -> float:
-        """Record the answer of ``replica`` to a call sent at ``sent_s`` (default the record's first
-        send; a hedge has its own); returns that attempt's own latency, milliseconds."""
-        # The call's end is the actor's end of compute, so each call has its own latency even when
-        # several arrive together (a compiled graph returns all of a layer at once).
-        rec.done_s = max(rec.sent_s, timing["start_s"] + timing["compute_ms"] / 1e3)
-        rec.timing, rec.replica = timing, replica.name
-        own_ms = max(0.0, (rec.done_s - (rec.sent_s if sent_s is None else sent_s)) * 1e3)
-        replica.observe_latency(own_ms)
-        return own_ms
 
     def _graph_members(self) -> tuple[list[Replica], str]:
         """The fastest live replica of every group, then every usable guest (its host's actor is
@@ -469,10 +319,3 @@ class ExpertRouter:
     def close(self) -> None:
         if self.graph is not None:
             self.graph.close()
-
-    def _pick(self, group: int) -> Replica:
-        """The replica of ``group`` with the least expected completion (a retry, or no plan)."""
-        alive = self.pool.alive(group)
-        if not alive:
-            return self.pool.recreate(self.pool.replicas[group][0])
-        return choose(alive, 1, self.pool.config, {})[0]

@@ -190,8 +190,8 @@ class VerifierServer:
 
     def _stats_now(self) -> dict:
         m = self.engine.get_metrics()
-        m["expert_retries"] = self.router.num_retries if self.router else 0
-        m["expert_hedges"] = self.router.num_hedges if self.router else 0
+        m["expert_retries"] = self.router.actor_calls.num_retries if self.router else 0
+        m["expert_hedges"] = self.router.actor_calls.num_hedges if self.router else 0
         m["expert_probes"] = self.router.num_probes if self.router else 0
         m["expert_replication"] = self.router.replication_stats() if self.router else {}
         drafter_graph = getattr(self.engine.drafter, "graph", None)
@@ -227,8 +227,8 @@ class VerifierServer:
 
         def apply() -> None:
             if self.router is not None:
-                self.router.hedging.enabled = enabled
-                self.router.hedging.windows.clear()
+                self.router.actor_calls.hedging.enabled = enabled
+                self.router.actor_calls.hedging.windows.clear()
                 for r in self.pool.all_replicas():
                     r.ewma_latency_ms = 0.0
 

@@ -91,7 +91,7 @@ def test_skewed_routing_is_rebalanced_with_identical_output(fake_ray, skewed):
     assert {r.host.group for r in guests} <= {1, 2, 3}  # hosted by the other groups' actors
     assert all(len(router.pool.replicas[g]) == 1 for g in (1, 2, 3))  # cold groups: not replicated
     assert all(r.stats.outstanding_calls == 0 and r.inflight == 0 for r in router.pool.all_replicas())
-    assert router.num_retries == 0
+    assert router.actor_calls.num_retries == 0
 
 
 def test_a_replica_added_or_removed_mid_request_loses_nothing(fake_ray, skewed):
@@ -116,7 +116,7 @@ def test_a_replica_added_or_removed_mid_request_loses_nothing(fake_ray, skewed):
     assert router.rebalancer.num_removed == len([v for v in removed if not v.alive])
     drops = [args for v in removed for name, args in v.handle.calls if name == "drop_experts"]
     assert drops and all(args == ([0, 1],) for args in drops)
-    assert router.num_retries == 0
+    assert router.actor_calls.num_retries == 0
 
 
 def test_a_draining_guest_is_dropped_only_after_its_last_call(fake_ray, skewed):

@@ -140,7 +140,7 @@ def test_a_fixed_straggler_is_avoided_probed_and_used_again_once_it_recovers(fak
     calls = _forwards(slow)
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
     assert _forwards(slow) == calls + 1  # chosen again (a chosen replica gets no probe)
-    assert router.num_hedges == 0 and router.num_retries == 0
+    assert router.actor_calls.num_hedges == 0 and router.actor_calls.num_retries == 0
 
 
 def test_rows_are_split_over_the_fast_replicas_only(fake_ray):

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from actors import expert_pool
+from actors.actor_calls import ExpertCallFailed
 from actors.config import ExpertPoolConfig
 from actors.expert_actor import ExpertWorker
 from actors.expert_pool import ExpertPool
-from actors.expert_router import ExpertCallFailed, ExpertRouter
+from actors.expert_router import ExpertRouter
 from actors.wire import from_bytes, from_wire, to_bytes, to_wire
 from engine.checkpoint import CheckpointReader
 from engine.config import load_model_config
@@ -60,7 +61,7 @@ def test_a_hung_sole_replica_is_recreated_and_the_retry_gives_the_same_rows(fake
     rows, weights, counts = _rows(torch.float32)
     out = router.run_layer(LAYER, rows, weights, counts)
     torch.testing.assert_close(out, _expected(rows, weights, counts, torch.float32), rtol=0, atol=0)
-    assert fake_ray.timeouts == 1 and router.num_retries == 1
+    assert fake_ray.timeouts == 1 and router.actor_calls.num_retries == 1
     assert [(r.generation, r.alive) for r in pool.replicas[1]] == [(1, True)]  # re-created once
     assert [(r.generation, r.alive) for r in pool.replicas[0]] == [(0, True)]  # the healthy group untouched
 
@@ -72,7 +73,7 @@ def test_every_attempt_failing_raises_expert_call_failed_after_max_attempts(fake
     with pytest.raises(ExpertCallFailed, match=r"experts \[0, 1, 2, 3\]: all 3 attempts failed") as err:
         router.run_layer(LAYER, rows, weights, counts)
     assert str(err.value).count("RayActorError") == 3  # one reason per attempt, each named
-    assert pool.replicas[0][0].generation == 3 and router.num_retries == 3  # each death re-created the actor
+    assert pool.replicas[0][0].generation == 3 and router.actor_calls.num_retries == 3  # each death re-created the actor
 
 
 def test_hot_expert_replicas_size_the_group_and_a_timeout_moves_to_the_other_replica(fake_ray):
@@ -99,12 +100,12 @@ def test_the_least_expected_completion_wins(fake_ray):
     a, b, c = pool.replicas[0]
     a.ewma_latency_ms, b.ewma_latency_ms, c.ewma_latency_ms = 1.0, 9.0, 5.0
     a.begin(4, 0.0)  # another verifier thread's call in flight: 2 x 1 ms
-    assert router._pick(0) is a
+    assert router.actor_calls.pick(0) is a
     for _ in range(4):
         a.begin(4, 0.0)  # five in flight: 6 x 1 ms
-    assert router._pick(0) is c
+    assert router.actor_calls.pick(0) is c
     c.alive = False
-    assert router._pick(0) is a  # 6 ms < 9 ms
+    assert router.actor_calls.pick(0) is a  # 6 ms < 9 ms
 
 
 @pytest.mark.parametrize("transport", ["actor_calls", "bytes"])
@@ -170,7 +171,7 @@ def test_verifier_replicas_share_the_pool_and_recreate_the_same_generation(fake_
     assert sorted(cluster.actors) == ["specmoe-experts-g0-r0-v0", "specmoe-experts-g1-r0-v0",
                                       "specmoe-experts-g1-r0-v1"]
     assert pools[0].replicas[1][0].handle is pools[1].replicas[1][0].handle  # one actor, not two
-    assert [r.num_retries for r in routers] == [1, 1]
+    assert [r.actor_calls.num_retries for r in routers] == [1, 1]
 
 
 def test_wait_loaded_returns_once_every_actor_holds_its_weights(fake_ray):

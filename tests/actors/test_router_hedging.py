@@ -106,12 +106,12 @@ def test_a_hedge_is_sent_only_past_the_deadline_and_the_late_result_is_never_rea
     expected = _expected(rows, weights, counts)
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
 
-    slow = router._pick(1)  # the replica the next call of group 1 goes to: 20 ms, under the 100 ms floor
+    slow = router.actor_calls.pick(1)  # the replica the next call of group 1 goes to: 20 ms, under the 100 ms floor
     slow.handle.set_delay_ms.remote(20.0)
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
-    assert router.num_hedges == 0 and _hedges(metrics, 6) == 0 and fake_ray.cancelled == []
+    assert router.actor_calls.num_hedges == 0 and _hedges(metrics, 6) == 0 and fake_ray.cancelled == []
 
-    slow = router._pick(1)
+    slow = router.actor_calls.pick(1)
     slow.handle.set_delay_ms.remote(600.0)
     poisoned = []
     slow.handle.target = type("Poisoned", (), {"forward": lambda *a: poisoned.append(a)})()
@@ -120,21 +120,21 @@ def test_a_hedge_is_sent_only_past_the_deadline_and_the_late_result_is_never_rea
     took_s = time.monotonic() - start
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert 0.1 <= took_s < 0.5  # hedged at the 100 ms deadline, not the 600 ms straggler
-    assert router.num_hedges == 1 and _hedges(metrics, 6) == 1
+    assert router.actor_calls.num_hedges == 1 and _hedges(metrics, 6) == 1
     assert _hedges(metrics, 1) == 0 and _hedges(metrics, 7) == 0  # group 0 answered in time; 7 had no rows
     assert len(fake_ray.cancelled) == 1 and slow.outstanding_rows == 2  # the loser still runs there
-    assert slow.ewma_latency_ms >= 100.0 and router._pick(1) is not slow  # the winner is preferred now
+    assert slow.ewma_latency_ms >= 100.0 and router.actor_calls.pick(1) is not slow  # the winner is preferred now
     assert _tokens(metrics, 6) == 3 * 2  # three layers of 2 rows: the hedged one counted once
 
-    assert router.losers.reap() == 0 and slow.outstanding_rows == 2  # still running: kept
+    assert router.actor_calls.losers.reap() == 0 and slow.outstanding_rows == 2  # still running: kept
     time.sleep(0.6)  # the loser ends; it is dropped unread and its rows released
-    assert router.losers.reap() == 1 and poisoned == [] and router.losers.pending == []
+    assert router.actor_calls.losers.reap() == 1 and poisoned == [] and router.actor_calls.losers.pending == []
     assert all(r.outstanding_rows == 0 for r in router.pool.all_replicas())
-    assert slow.ewma_latency_ms > router._pick(1).ewma_latency_ms  # it was seen running > 100 ms
-    slow.handle.target = router._pick(0).handle.target.__class__(TARGET, [4, 5, 6, 7])  # recovered
+    assert slow.ewma_latency_ms > router.actor_calls.pick(1).ewma_latency_ms  # it was seen running > 100 ms
+    slow.handle.target = router.actor_calls.pick(0).handle.target.__class__(TARGET, [4, 5, 6, 7])  # recovered
     slow.handle.set_delay_ms.remote(0.0)
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
-    assert router.num_hedges == 1 and router.num_retries == 0 and len(fake_ray.cancelled) == 1
+    assert router.actor_calls.num_hedges == 1 and router.actor_calls.num_retries == 0 and len(fake_ray.cancelled) == 1
 
 
 def test_a_hedge_that_dies_leaves_the_first_send_to_answer(fake_ray):
@@ -147,9 +147,9 @@ def test_a_hedge_that_dies_leaves_the_first_send_to_answer(fake_ray):
     slow.handle.set_delay_ms.remote(300.0)
     other.handle.behaviour = "dead"
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
-    assert router.num_hedges == 1 and router.num_retries == 0  # no retry: the first send answered
+    assert router.actor_calls.num_hedges == 1 and router.actor_calls.num_retries == 0  # no retry: the first send answered
     assert [r.generation for r in router.pool.replicas[1]] == [0, 1]  # the dead hedge target re-created
-    assert slow.outstanding_rows == 0 and router.losers.pending == []
+    assert slow.outstanding_rows == 0 and router.actor_calls.losers.pending == []
 
 
 @pytest.mark.parametrize("config", [dict(HEDGE, replicas=1), dict(HEDGE, hedge=False)])
@@ -158,11 +158,11 @@ def test_no_hedge_with_a_single_replica_or_hedging_off(fake_ray, config):
     rows, weights, counts = _rows(seed=1)
     expected = _expected(rows, weights, counts)
     router.run_layer(LAYER, rows, weights, counts)
-    router._pick(1).handle.set_delay_ms.remote(120.0)
+    router.actor_calls.pick(1).handle.set_delay_ms.remote(120.0)
     start = time.monotonic()
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
     assert time.monotonic() - start >= 0.12  # waited for the straggler
-    assert router.num_hedges == 0 and _hedges(metrics, 6) == 0 and fake_ray.cancelled == []
+    assert router.actor_calls.num_hedges == 0 and _hedges(metrics, 6) == 0 and fake_ray.cancelled == []
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -179,7 +179,7 @@ def test_greedy_output_is_identical_with_a_slowed_replica(fake_ray, hedge):
     llm.engine.target.model.experts = router
     router.run_layer(LAYER, *_rows())  # one latency per group: hedging armed
     for g in range(len(router.pool.groups)):
-        router._pick(g).handle.set_delay_ms.remote(100.0)  # the preferred replica of every group
+        router.actor_calls.pick(g).handle.set_delay_ms.remote(100.0)  # the preferred replica of every group
     assert _greedy(llm) == reference
-    assert (router.num_hedges >= len(router.pool.groups)) if hedge else router.num_hedges == 0
-    assert router.num_retries == 0
+    assert (router.actor_calls.num_hedges >= len(router.pool.groups)) if hedge else router.actor_calls.num_hedges == 0
+    assert router.actor_calls.num_retries == 0

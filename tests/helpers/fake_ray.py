@@ -1,8 +1,8 @@
 """A deterministic stand-in for the few Ray calls the router and the remote drafter make.
 
-``FakeRay`` replaces the ``ray`` module inside ``actors.expert_router`` / ``actors.expert_pool`` /
-``actors.draft_server`` (monkeypatched): ``wait`` reports every non-hung ref ready at once and times
-out immediately on hung ones, ``get`` returns a ref's (or each ref of a list's) value or raises what
+``FakeRay`` replaces the ``ray`` module inside ``actors.expert_router`` / ``actors.actor_calls`` /
+``actors.expert_pool`` / ``actors.draft_server`` (monkeypatched): ``wait`` reports every non-hung
+ref ready at once and times out immediately on hung ones, ``get`` returns a ref's (or each ref of a list's) value or raises what
 the actor "did" (a call to an actor without delay is computed when sent, a delayed one when got,
 its timing moved to when its delay ended). ``FakeActor`` wraps a plain object (e.g. an in-process
 ``ExpertWorker``) as an actor handle whose behaviour a test sets:
@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from actors import expert_actor, expert_pool, expert_router
+from actors import actor_calls, expert_actor, expert_pool, expert_router
 from actors.config import ExpertPoolConfig
 from actors.expert_pool import ExpertPool, Replica
 
@@ -151,6 +151,7 @@ def install_fake_ray(monkeypatch) -> FakeRay:
     Ray); re-creating a replica "kills" its fake handle instead of calling ``ray.kill``."""
     fake = FakeRay()
     monkeypatch.setattr(expert_router, "ray", fake)
+    monkeypatch.setattr(actor_calls, "ray", fake)
     monkeypatch.setattr(expert_pool, "ray", fake)
     monkeypatch.setattr(expert_actor, "_actor_id", lambda: "in-process")
     monkeypatch.setattr(expert_pool, "kill_actor", lambda handle: setattr(handle, "behaviour", "killed"))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.expert_router import ExpertCallFailed, ExpertRouter
+from actors.actor_calls import ExpertCallFailed
+from actors.expert_router import ExpertRouter
 from actors.telemetry import RouterTelemetry
 from engine.config import load_model_config
 from observability import EngineMetrics, StragglerDetector, flush_tracing

@@ -25,7 +25,7 @@ def test_a_hedged_call_has_a_hedge_event_and_attributes(traced, monkeypatch):
     counts[2], counts[5] = 2, 3
     rows = torch.randn(5, load_model_config(TARGET).hidden_size, generator=torch.Generator().manual_seed(0))
     router.run_layer(layer, rows, torch.ones(5), counts)  # arms hedging: one latency per group
-    slow = router._pick(1)
+    slow = router.actor_calls.pick(1)
     slow.handle.set_delay_ms.remote(200.0)
     router.run_layer(layer, rows, torch.ones(5), counts)
     assert flush_tracing(5.0)
