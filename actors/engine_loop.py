@@ -62,9 +62,6 @@ class EngineLoop:
         # ("add", ...), ("abort", rid), ("call", fn, future): appended on the event loop only,
         # popped on the engine thread only (deque append and popleft are thread-safe).
         self._ops: deque[tuple] = deque()
-        # Sequences of queued adds, as two counters with one writer each (queued: event loop,
-        # taken: engine thread), so the event loop never iterates the deque the engine pops.
-        self._seqs_queued = self._seqs_taken = 0
         self._wakeup = asyncio.Event()
         self._step_started: float | None = None  # time.monotonic() of the running step
         self._ids = itertools.count()
@@ -95,9 +92,9 @@ class EngineLoop:
         next step; they and the metrics snapshot go to the event loop with
         ``call_soon_threadsafe``, which does not wait for it."""
         while True:
-            errors = self._apply_ops()
-            if errors is not None:  # gauges move on add/abort too
-                loop.call_soon_threadsafe(self._publish, errors, self._snapshot())
+            answers = self._apply_ops()
+            if answers is not None:  # gauges move on add/abort too
+                loop.call_soon_threadsafe(self._publish, answers, self._snapshot())
             if not self.engine.has_unfinished_requests():
                 return
             self._step_started = time.monotonic()
@@ -110,24 +107,26 @@ class EngineLoop:
             loop.call_soon_threadsafe(self._publish, items, self._snapshot())
 
     def _apply_ops(self) -> list[tuple[str, dict]] | None:
-        """Engine thread: run the queued ops in order. Returns the error items of adds that failed,
-        or None if no request was added or aborted."""
-        errors: list[tuple[str, dict]] | None = None
+        """Engine thread: run the queued ops in order. Returns each add's answer (``accepted``
+        or its error item: the request is checked here, where no step is running, since the
+        checks read the scheduler's queues and the controller's state), or None if no request
+        was added or aborted."""
+        answers: list[tuple[str, dict]] | None = None
         while self._ops:
             op, *args = self._ops.popleft()
             if op == "call":
                 _run_call(*args)
                 continue
-            errors = [] if errors is None else errors
+            answers = [] if answers is None else answers
             try:
                 if op == "add":
-                    self._seqs_taken += args[2].n
                     self.engine.add_request(*args)
+                    answers.append((args[0], {"type": "accepted", "request_id": args[0]}))
                 else:
                     self.engine.abort_request(*args)
-            except Exception as e:  # e.g. the queue filled up since validation
-                errors.append((args[0], error_item(e)))
-        return errors
+            except Exception as e:  # a bad or duplicate request, a full queue, an unmeetable TTFT
+                answers.append((args[0], error_item(e)))
+        return answers
 
     def _snapshot(self) -> dict | None:
         """Engine thread: the engine's metrics, if anyone listens for them."""
@@ -161,7 +160,8 @@ class EngineLoop:
                 TTFT) and then the finished one are sent, the steps between merged into it.
 
         Yields:
-            ``{"type": "accepted"}`` or an error item (HTTP status + message) first; then step
+            ``{"type": "accepted"}`` or an error item (HTTP status + message) first, once the
+            engine thread has checked and added the request between two steps; then step
             items (``actors.stream_items.step_item``), the last one finished. Steps that queued
             up while the consumer was busy go as one merged item (``merge_step_items``): each item
             crossing the Serve hop costs this replica's event loop and the ingress CPU that the
@@ -174,7 +174,8 @@ class EngineLoop:
             return
         try:
             sp = msgspec.convert(params, SamplingParams)
-            self.engine.check_request(rid, prompt_token_ids, sp, self._seqs_queued - self._seqs_taken)
+            if rid in self._streams:  # its stream would take this one's items
+                raise ValueError(f"request id {rid!r} is already running")
         except (ValueError, msgspec.ValidationError) as e:
             yield error_item(e)
             return
@@ -182,12 +183,13 @@ class EngineLoop:
         self._streams[rid] = queue
         if carrier:
             self.carriers[rid] = carrier
-        self._seqs_queued += sp.n
         self._ops.append(("add", rid, prompt_token_ids, sp, prompt, time.monotonic()))
         self._wakeup.set()
         finished = False
         try:
-            yield {"type": "accepted", "request_id": rid}
+            answer = await queue.get()  # "accepted" or an error item, from the engine thread
+            finished = answer["type"] != "accepted"
+            yield answer
             held: list[dict] = []  # step items not sent yet
             first_sent = False  # the first item with tokens has gone (TTFT)
             while not finished:

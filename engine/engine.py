@@ -125,7 +125,7 @@ class LLMEngine:
             QueueFull: the waiting queue is full (DeadlineUnattainable: the request's TTFT budget
                 cannot be met at this load, with ``refuse_unattainable_ttft``).
         """
-        self.check_request(request_id, prompt_token_ids, params)
+        self._check_request(request_id, prompt_token_ids, params)
         request = RequestOutput(request_id, prompt, list(prompt_token_ids), [],
                                 metrics=RequestMetrics(arrival_time_s or time.monotonic()))
         k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
@@ -142,23 +142,14 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      num_pending_seqs: int = 0) -> None:
-        """Raise what :meth:`add_request` would raise, without adding anything.
-
-        Args:
-            num_pending_seqs: sequences about to be added before this one (queued by a caller that
-                adds requests between steps).
-
-        Raises:
-            ValueError: bad prompt, parameters or duplicate id; QueueFull: no room.
-        """
+    def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise what :meth:`add_request` raises, before it adds anything."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         check_prompt(prompt_token_ids, params.max_tokens, self.target.config.vocab_size, self.max_model_len)
         if self.target.tokenizer is None:
             check_without_tokenizer(False, params.stop)
-        if not self.scheduler.can_accept(params.n + num_pending_seqs):
+        if not self.scheduler.can_accept(params.n):
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")
         decodes = [s for s in self.scheduler.running if not s.num_prompt_tokens_left]

@@ -1,7 +1,7 @@
 """The one table of per-request limits, used by the engine and the HTTP ingress alike.
 
 :class:`engine.sampling_params.SamplingParams` validates itself with :func:`check_range` /
-:func:`check_stop`, :meth:`engine.engine.LLMEngine.check_request` checks prompts with
+:func:`check_stop`, :meth:`engine.engine.LLMEngine.add_request` checks prompts with
 :func:`check_prompt`, and ``actors/openai_protocol.py`` / ``actors/ingress.py`` call the same
 functions before building ``SamplingParams``, turning :class:`RequestError` into HTTP 400 in
 OpenAI's error shape (``param`` names the field, ``code`` is e.g. ``context_length_exceeded``).

@@ -84,9 +84,6 @@ class _HangingEngine:
         self.release, self.entered = threading.Event(), threading.Event()
         self.unfinished = False
 
-    def check_request(self, *args) -> None:
-        return None
-
     def add_request(self, *args) -> None:
         self.unfinished = True
 
@@ -334,3 +331,43 @@ def test_metrics_snapshots_are_taken_on_the_engine_thread(expected_texts):
     assert all(r is t for r, (_, t) in zip(reported, taken))  # on_change sees each snapshot, in order
     assert reported[0]["num_waiting"] == 1 and reported[-1]["finished_by_reason"] == {"length": 1}
     assert reported[-1]["kv_slots_used"] == 0
+
+
+def test_requests_are_checked_and_added_on_the_engine_thread_between_steps(expected_texts):
+    """The checks read the scheduler's queues and the speculation controller's state, which a
+    running step changes: they run on the engine thread, between steps, and their error is the
+    stream's first item (503 when the queue is full, 400 for a duplicate id), never after an
+    "accepted"."""
+    engine = build_engine(msgspec.convert({"model": TARGET, "scheduler": {"max_num_seqs": 1, "max_waiting": 1}},
+                                          EngineArgs))
+    _, in_step = _record_steps(engine)
+    adds, add_request = [], engine.add_request
+
+    def recorded_add_request(*args, **kwargs):
+        adds.append((threading.current_thread().name, in_step.is_set()))
+        return add_request(*args, **kwargs)
+
+    engine.add_request = recorded_add_request
+    long = {**PARAMS, "max_tokens": 200}
+
+    async def run():
+        loop = EngineLoop(engine, ThreadPoolExecutor(1, thread_name_prefix="engine-test"))
+        running = loop.generate(expected_texts[0][0], long, request_id="a")
+        assert (await anext(running))["type"] == "accepted"
+        assert (await anext(running))["type"] == "step"
+        waiting = loop.generate(expected_texts[1][0], long, request_id="b")
+        assert (await anext(waiting))["type"] == "accepted"
+        full = [item async for item in loop.generate(expected_texts[2][0], PARAMS, request_id="c")]
+        twin = [item async for item in loop.generate(expected_texts[2][0], PARAMS, request_id="a")]
+        await running.aclose()
+        await waiting.aclose()
+        while engine.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+        again = [item async for item in loop.generate(expected_texts[2][0], PARAMS, request_id="c")]
+        return full, twin, again
+
+    full, twin, again = asyncio.run(run())
+    assert [(i["type"], i["status"]) for i in full] == [("error", 503)] and "capacity" in full[0]["message"]
+    assert [(i["type"], i["status"]) for i in twin] == [("error", 400)] and "already running" in twin[0]["message"]
+    assert again[0]["type"] == "accepted" and again[-1]["finished"]
+    assert adds == [("engine-test_0", False)] * 4  # a, b, the refused c, c again (the twin never got there)
