@@ -37,6 +37,10 @@ class IngressDeployment:
     async def models(self):
         return await self.server.models()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str):
+        return await self.server.model(model_id)
+
     @app.get("/health")
     async def health(self):
         return await self.server.health()

@@ -105,6 +105,21 @@ def _failure(e: BaseException, timeout_s: float) -> RequestFailed:
     return RequestFailed(500, f"internal error: {type(e).__name__}")
 
 
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused (413) once it is known to exceed :data:`MAX_BODY_BYTES`: from
+    its ``Content-Length`` before reading, else while it streams in (nothing larger is kept)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ProtocolError(f"request body of {declared} bytes exceeds {MAX_BODY_BYTES} bytes", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ProtocolError(f"request body of more than {MAX_BODY_BYTES} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class IngressServer:
     """Request handling for the OpenAI routes; ``verifier`` is a Serve handle (or a test double)."""
 
@@ -141,8 +156,18 @@ class IngressServer:
         return await self._handle(request, "chat")
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specmoe", "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> Response:
+        """``GET /v1/models/{model}``: the served model's card, or 404 in OpenAI's shape."""
+        if model_id != self.model_name:
+            return _error(404, f"The model '{model_id}' does not exist (serving '{self.model_name}')", "model",
+                          "model_not_found")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specmoe",
+                "max_model_len": self.max_model_len}
 
     async def health(self) -> Response:
         if self._probe is not None:
@@ -217,9 +242,7 @@ class IngressServer:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
-            body = await request.body()
-            if len(body) > MAX_BODY_BYTES:
-                raise ProtocolError(f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES} bytes", status=413)
+            body = await _read_body(request)
             # Tokenizing a long prompt is CPU work: off the event loop, so other requests keep flowing.
             req, ids, prompt_text, params, want_lp = await asyncio.to_thread(self._prepare, body, kind)
         except ProtocolError as e:

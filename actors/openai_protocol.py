@@ -199,5 +199,7 @@ def decode_request(body: bytes, schema: type[_Sampling]) -> _Sampling:
         raise ProtocolError(f"invalid request: {e}", param) from e
     except msgspec.DecodeError as e:
         raise ProtocolError(f"invalid JSON body: {e}") from e
+    except RecursionError as e:  # msgspec's decoder recurses per nesting level (~1000 deep fails)
+        raise ProtocolError("invalid JSON body: nested too deeply") from e
     req.validate()
     return req

@@ -27,7 +27,7 @@ from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats, TokenLogprob
-from engine.request_ranges import check_prompt, check_without_tokenizer
+from engine.request_ranges import RequestError, check_prompt, check_without_tokenizer
 from engine.sampling import make_generator, top_logprobs
 from engine.sampling_params import MAX_SEED, MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -47,7 +47,7 @@ class LLMEngine:
     Args:
         target: the target model (its experts may live in other processes).
         drafter: proposes draft tokens (draft model, n-gram, or none).
-        num_speculative_tokens: default draft length k (0..16); a request may override it.
+        num_speculative_tokens: the most a sequence drafts, k (0..16); a request may ask for less.
         scheduler_config: batching limits; ``max_num_seqs`` sizes the target KV cache.
         max_model_len: context window (defaults to the target's ``max_position_embeddings``).
         observer: step/phase hooks (tracing); defaults to none.
@@ -121,7 +121,7 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, prompt + max_tokens beyond
-                the context window, or a duplicate request id.
+                the context window, a draft length above the engine's, or a duplicate request id.
             QueueFull: the waiting queue is full (DeadlineUnattainable: the request's TTFT budget
                 cannot be met at this load, with ``refuse_unattainable_ttft``).
         """
@@ -146,6 +146,10 @@ class LLMEngine:
         """Raise what :meth:`add_request` raises, before it adds anything."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        k = params.num_speculative_tokens
+        if k is not None and k > self.num_speculative_tokens:
+            raise RequestError(f"'num_speculative_tokens' must be at most {self.num_speculative_tokens} (the "
+                               f"server's num_speculative_tokens), got {k}", param="num_speculative_tokens")
         check_prompt(prompt_token_ids, params.max_tokens, self.target.config.vocab_size, self.max_model_len)
         if self.target.tokenizer is None:
             check_without_tokenizer(False, params.stop)

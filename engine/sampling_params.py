@@ -31,7 +31,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         ignore_eos: keep going past the model's end-of-sequence token.
         logprobs: number of top alternatives (0..5) whose target log-probabilities are returned
             per output token; None returns none.
-        num_speculative_tokens: draft length k for this request (0..16); None uses the engine's.
+        num_speculative_tokens: draft length k for this request (0..16, at most the engine's); None
+            uses the engine's.
         priority: scheduling priority with ``scheduling_policy`` "priority" or "slo"; lower runs
             earlier (vLLM's convention), ties first come first served.
         slo_class: latency budget class (``SchedulerConfig.slo_classes``); None: the default class.

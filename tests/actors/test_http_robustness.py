@@ -41,6 +41,10 @@ BAD_INPUTS = [
     (CHAT, {**OK_CHAT, "response_format": {"type": "json_object"}}, 400),
     ("/v1/embeddings", {"model": MODEL_NAME, "input": "x"}, 404),
     (C, b"{" + b" " * (5 * 1024 * 1024) + b"}", 413),
+    # Nested deeper than the JSON decoder recurses (was a bare 500).
+    (C, b'{"model": "stdlib-moe", "prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+    # Above the server's num_speculative_tokens (4 here), its maximum.
+    (C, {**OK_PROMPT, "num_speculative_tokens": 5}, 400),
 ]
 
 
@@ -77,7 +81,20 @@ def test_bad_inputs_get_openai_errors_while_a_stream_runs_intact(served, referen
     assert wrong_method.status_code == 405 and set(wrong_method.json()["error"]) == {"message", "type", "param", "code"}
     out_of_vocab = _post(url, C, {**OK_PROMPT, "prompt": [5, 99999]})
     assert out_of_vocab.json()["error"]["param"] == "prompt"
+    too_many_drafts = _post(url, C, {**OK_PROMPT, "num_speculative_tokens": 5}).json()["error"]
+    assert too_many_drafts["param"] == "num_speculative_tokens" and "at most 4" in too_many_drafts["message"]
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_models_list_and_retrieve_as_openai_clients_do(served, client):
+    url = served[0]
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    model = client.models.retrieve(MODEL_NAME)
+    assert (model.id, model.object, model.owned_by) == (MODEL_NAME, "model", "specmoe")
+    missing = httpx.get(url + "/v1/models/gpt-4")
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {"message": f"The model 'gpt-4' does not exist (serving '{MODEL_NAME}')",
+                                       "type": "not_found_error", "param": "model", "code": "model_not_found"}
 
 
 def _engine_stats(handle) -> dict:

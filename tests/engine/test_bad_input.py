@@ -98,3 +98,16 @@ def test_generate_with_a_bad_prompt_leaves_nothing_queued():
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv.num_used == 0
     out = llm.generate([[5, 6, 7]], params)  # the next call runs only its own prompt
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_request_may_lower_its_draft_length_but_not_raise_it_past_the_servers():
+    from engine import LLM, SamplingParams
+    from engine.request_ranges import RequestError
+    from tests.engine.bundled import DRAFT, TARGET
+
+    llm = LLM(TARGET, draft_model=DRAFT, num_speculative_tokens=3)
+    with pytest.raises(RequestError, match=r"at most 3 .*got 4") as err:
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, num_speculative_tokens=4))
+    assert err.value.param == "num_speculative_tokens" and not llm.engine.has_unfinished_requests()
+    lowered = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, num_speculative_tokens=1))
+    assert len(lowered[0].outputs[0].token_ids) == 4
