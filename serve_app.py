@@ -225,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         _stop_if_started()
         return 0
     print(f"specmoe is serving {config.model_name!r} at {url}/v1")
+    # Without a tokenizer (engine.skip_tokenizer_init) prompts are token ids.
+    prompt = "[5, 6, 7]" if config.engine.skip_tokenizer_init else '"def fibonacci(n):"'
     print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
+          f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": {prompt}, \"max_tokens\": 48, "
           f"\"temperature\": 0}}'")
     try:
         while True:

@@ -135,6 +135,8 @@ class CompletionRequest(_Sampling, kw_only=True):
             if len(self.prompt) != 1:
                 raise ProtocolError("batched prompts are not supported: send one request per prompt", "prompt")
             self.prompt = self.prompt[0]
+            if not isinstance(self.prompt, (str, list)):  # e.g. [null] or [{}]
+                raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
         if not self.prompt:
             raise ProtocolError("'prompt' must not be empty", "prompt")
         if not isinstance(self.prompt, str) and not _is_token_ids(self.prompt):

@@ -150,7 +150,11 @@ class LLMEngine:
         if k is not None and k > self.num_speculative_tokens:
             raise RequestError(f"'num_speculative_tokens' must be at most {self.num_speculative_tokens} (the "
                                f"server's num_speculative_tokens), got {k}", param="num_speculative_tokens")
-        check_prompt(prompt_token_ids, params.max_tokens, self.target.config.vocab_size, self.max_model_len)
+        vocab_size = self.target.config.vocab_size
+        check_prompt(prompt_token_ids, params.max_tokens, vocab_size, self.max_model_len)
+        if any(t >= vocab_size for t in params.stop_token_ids or ()):
+            raise RequestError(f"'stop_token_ids' must be below the vocabulary size {vocab_size}, got "
+                               f"{params.stop_token_ids}", param="stop_token_ids")
         if self.target.tokenizer is None:
             check_without_tokenizer(False, params.stop)
         if not self.scheduler.can_accept(params.n):

@@ -44,7 +44,7 @@ BAD_INPUTS = [
     # Nested deeper than the JSON decoder recurses (was a bare 500).
     (C, b'{"model": "stdlib-moe", "prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
     # Above the server's num_speculative_tokens (4 here), its maximum.
-    (C, {**OK_PROMPT, "num_speculative_tokens": 5}, 400),
+    (C, {**OK_PROMPT, "num_speculative_tokens": 5}, 400), (C, {**OK_PROMPT, "stop_token_ids": [99999]}, 400),
 ]
 
 

@@ -100,7 +100,7 @@ def test_generate_with_a_bad_prompt_leaves_nothing_queued():
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
 
 
-def test_a_request_may_lower_its_draft_length_but_not_raise_it_past_the_servers():
+def test_a_request_may_lower_its_draft_length_but_not_raise_it_and_stop_ids_are_in_the_vocabulary():
     from engine import LLM, SamplingParams
     from engine.request_ranges import RequestError
     from tests.engine.bundled import DRAFT, TARGET
@@ -111,3 +111,7 @@ def test_a_request_may_lower_its_draft_length_but_not_raise_it_past_the_servers(
     assert err.value.param == "num_speculative_tokens" and not llm.engine.has_unfinished_requests()
     lowered = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, num_speculative_tokens=1))
     assert len(lowered[0].outputs[0].token_ids) == 4
+    vocab_size = llm.engine.target.config.vocab_size
+    with pytest.raises(RequestError, match=rf"below the vocabulary size {vocab_size}") as err:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop_token_ids=[3, vocab_size]))
+    assert err.value.param == "stop_token_ids" and not llm.engine.has_unfinished_requests()

@@ -53,3 +53,20 @@ def test_prompt_checks_name_their_parameter(ids, max_tokens, param, code):
         check_prompt(ids, max_tokens, vocab_size=64, max_model_len=16)
     assert (err.value.param, err.value.code) == (param, code)
     check_prompt([1] * 10, 6, vocab_size=64, max_model_len=16)  # exactly fills the window: fine
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([None], "must be a string or a list of token ids"), ([{}], "must be a string or a list of token ids"),
+    ([[]], "must not be empty"), ([""], "must not be empty"), (["a", "b"], "batched prompts are not supported"),
+])
+def test_a_one_element_prompt_list_is_judged_by_its_element(prompt, message):
+    with pytest.raises(ProtocolError, match=message) as err:
+        decode_request(msgspec.json.encode({"model": "m", "prompt": prompt}), CompletionRequest)
+    assert err.value.param == "prompt"
+
+
+def test_nesting_too_deep_for_the_decoder_is_a_400():
+    body = b'{"model": "m", "prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(ProtocolError, match="nested too deeply") as err:
+        decode_request(body, CompletionRequest)
+    assert err.value.status == 400
