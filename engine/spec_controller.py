@@ -12,9 +12,8 @@ maximises ``(sum E_s + prefills) / T``. Gains ``prod_{j<=i} a_{s,j}`` fall with 
 allocation for any total ``n`` of draft tokens takes the ``n`` largest gains; every ``n`` is scored
 at once (vectorised) and the best wins, ``n = 0`` included: then nothing is drafted at all.
 
-Acceptance: per sequence and position, exponentially decayed counts shrunk toward a server-wide
-estimate, which is itself shrunk toward the position before it (deep positions inherit shallow
-ones until they are observed). Hysteresis keeps speculation on or off unless the other choice is
+Acceptance: per sequence and position, decayed counts shrunk toward a server-wide estimate
+(:mod:`engine.spec_acceptance`). Hysteresis keeps speculation on or off unless the other choice is
 ``hysteresis`` better; a warm-up cycles k to make the cost model identifiable, and every
 ``probe_interval_steps`` one probe step drafts another length (2, max, 0, max / 2 in turn), so the
 estimates cover the whole range and never go stale (speculation off included).
@@ -43,6 +42,7 @@ from typing import Literal
 
 import numpy as np
 
+from engine.spec_acceptance import AcceptanceEstimates, expected_tokens
 from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedGoodput
 
 SpeculativePolicy = Literal["adaptive", "fixed"]
@@ -103,27 +103,6 @@ class Decision:
     predicted_step_s: float = 0.0
 
 
-class _Acceptance:
-    """Decayed (accepted, tried) counts per draft position."""
-
-    def __init__(self, max_k: int, decay: float) -> None:
-        self.accepted = np.zeros(max_k)
-        self.tried = np.zeros(max_k)
-        self.decay = decay
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        seen = min(num_drafted, num_accepted + 1)  # positions past the first rejection are unseen
-        self.accepted[:seen] *= self.decay
-        self.tried[:seen] *= self.decay
-        self.tried[:seen] += 1.0
-        self.accepted[:num_accepted] += 1.0
-
-
-def _expected_tokens(acceptance: np.ndarray, k: int) -> float:
-    """``1 + sum_{i<=k} prod_{j<=i} a_j`` for per-position acceptance ``a`` ``(max_k,)``."""
-    return 1.0 + float(np.cumprod(acceptance[:k]).sum()) if k > 0 else 1.0
-
-
 class SpeculationController:
     """Chooses each decoding sequence's draft length per step.
 
@@ -143,8 +122,9 @@ class SpeculationController:
         # (or ever: its prompt) costs the drafter a prefill of what it missed, a real cost of k > 0.
         self.draft_cost = OnlineLinearCost(4, forgetting=0.95)
         self.target_cost = OnlineLinearCost(3)  # [1, target tokens, distinct experts]
-        self._global = _Acceptance(max_k, self.settings.global_decay)
-        self._seqs: dict[str, _Acceptance] = {}
+        s = self.settings
+        self.estimates = AcceptanceEstimates(max_k, s.acceptance_prior, s.prior_weight, s.global_decay,
+                                             s.sequence_decay)
         self._decode_steps = 0
         self._num_probes = 0
         self._on = True
@@ -198,7 +178,7 @@ class SpeculationController:
             self._num_probes += 1
             decision = Decision({sid: min(c, k) for sid, c in caps.items()}, "probe")
         else:
-            glob = self._global_acceptance()  # once per step: every sequence's estimate shrinks toward it
+            glob = self.estimates.server_wide()  # once per step: every sequence's estimate shrinks toward it
             decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
                                       self._amortised(caps, catchup or {}, remaining or {}, glob), glob,
                                       tpot or {})
@@ -227,7 +207,7 @@ class SpeculationController:
             c = catchup.get(sid, 0)
             if not c:
                 continue
-            per_step = _expected_tokens(self._sequence_acceptance(sid, glob), max(caps[sid], 1))
+            per_step = expected_tokens(self.estimates.of_sequence(sid, glob), max(caps[sid], 1))
             backlog = max(0.0, c - per_step)
             left = remaining.get(sid)
             share = 1.0 if left is None else min(1.0, per_step / max(left, 1))
@@ -339,26 +319,13 @@ class SpeculationController:
         """Tokens a step verifying ``k`` drafts of ``seq_id`` is expected to emit:
         ``1 + sum_{i<=k} prod_{j<=i} a_j`` (Leviathan et al. 2023, eq. 1, with per-position
         acceptance estimates ``a``); 1.0 for k = 0."""
-        return _expected_tokens(self.acceptance(seq_id), k)
+        return expected_tokens(self.acceptance(seq_id), k)
 
     def acceptance(self, seq_id: str | None = None) -> np.ndarray:
         """Estimated acceptance per draft position ``(max_k,)`` in [0, 1]: the server-wide one, or
         one sequence's (shrunk toward the server-wide estimate)."""
-        glob = self._global_acceptance()
-        return glob if seq_id is None else self._sequence_acceptance(seq_id, glob)
-
-    def _global_acceptance(self) -> np.ndarray:
-        g, w = self._global, self.settings.prior_weight
-        glob = np.empty(self.max_k)
-        prev = self.settings.acceptance_prior
-        for j in range(self.max_k):  # each position shrunk toward the one before it
-            prev = glob[j] = (g.accepted[j] + w * prev) / (g.tried[j] + w)
-        return glob
-
-    def _sequence_acceptance(self, seq_id: str, glob: np.ndarray) -> np.ndarray:
-        """A sequence's counts shrunk toward the server-wide estimate ``glob`` (itself if unseen)."""
-        seq, w = self._seqs.get(seq_id), self.settings.prior_weight
-        return glob if seq is None else (seq.accepted + w * glob) / (seq.tried + w)
+        glob = self.estimates.server_wide()
+        return glob if seq_id is None else self.estimates.of_sequence(seq_id, glob)
 
     def _ready_probability(self, ids: list[str], glob: np.ndarray) -> np.ndarray:
         """``(B, max_k)``: the chance that a sequence's draft position is already drafted ahead
@@ -369,7 +336,7 @@ class SpeculationController:
         for row, sid in enumerate(ids):
             length = self._ready.get(sid, 0)
             if length:
-                ready[row, :length] = self._sequence_acceptance(sid, glob)[min(length, self.max_k - 1)]
+                ready[row, :length] = self.estimates.of_sequence(sid, glob)[min(length, self.max_k - 1)]
         return ready
 
     def note_drafted_ahead(self, seq_id: str, length: int) -> None:
@@ -381,7 +348,7 @@ class SpeculationController:
     def _gains(self, ids: list[str], caps: dict[str, int], glob: np.ndarray) -> np.ndarray:
         rows = []
         for sid in ids:
-            row = np.cumprod(self._sequence_acceptance(sid, glob))
+            row = np.cumprod(self.estimates.of_sequence(sid, glob))
             row[min(caps[sid], self.max_k):] = 0.0
             rows.append(row)
         return np.stack(rows)
@@ -392,12 +359,7 @@ class SpeculationController:
         if num_drafted <= 0 or self.max_k == 0:
             return
         num_drafted = min(num_drafted, self.max_k)
-        num_accepted = min(num_accepted, num_drafted)
-        self._global.observe(num_drafted, num_accepted)
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            seq = self._seqs[seq_id] = _Acceptance(self.max_k, self.settings.sequence_decay)
-        seq.observe(num_drafted, num_accepted)
+        self.estimates.observe(seq_id, num_drafted, min(num_accepted, num_drafted))
 
     def observe_step(self, draft_s: float, passes: int, num_drafted: int, target_s: float,
                      num_target_tokens: int, distinct_experts: int | None, num_catchup: int = 0) -> None:
@@ -435,5 +397,5 @@ class SpeculationController:
 
     def release(self, seq_id: str) -> None:
         """Forget a finished sequence's estimates."""
-        self._seqs.pop(seq_id, None)
+        self.estimates.release(seq_id)
         self._ready.pop(seq_id, None)
