@@ -161,9 +161,13 @@ class IngressServer:
     async def model(self, model_id: str) -> Response:
         """``GET /v1/models/{model}``: the served model's card, or 404 in OpenAI's shape."""
         if model_id != self.model_name:
-            return _error(404, f"The model '{model_id}' does not exist (serving '{self.model_name}')", "model",
-                          "model_not_found")
+            e = self._unknown_model(model_id)
+            return _error(e.status, str(e), e.param, e.code)
         return JSONResponse(self._model_card())
+
+    def _unknown_model(self, name: str) -> ProtocolError:
+        return ProtocolError(f"The model '{name}' does not exist (serving '{self.model_name}')", "model", 404,
+                             "model_not_found")
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specmoe",
@@ -210,8 +214,7 @@ class IngressServer:
         schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
         req = decode_request(body, schema)
         if req.model != self.model_name:
-            raise ProtocolError(f"The model '{req.model}' does not exist (serving '{self.model_name}')",
-                                "model", 404, "model_not_found")
+            raise self._unknown_model(req.model)
         if self.tokenizer is None:
             with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):
                 check_without_tokenizer(kind == "chat" or isinstance(req.prompt, str),
