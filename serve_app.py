@@ -172,8 +172,10 @@ def stop(drain_timeout_s: float = SHUTDOWN_DRAIN_TIMEOUT_S) -> None:
 def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfig:
     """Command-line overrides (for benchmark sweeps), re-validated like the YAML."""
     raw = msgspec.to_builtins(config)
-    if args.host or args.port:
-        raw["http"].update(host=args.host or config.http.host, port=args.port or config.http.port)
+    if args.host:
+        raw["http"]["host"] = args.host
+    if args.port is not None:
+        raw["http"]["port"] = args.port
     if args.speculative_method == "none":
         raw["engine"].update(speculative_method=None, draft_model=None, num_speculative_tokens=0)
     elif args.speculative_method:

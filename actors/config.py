@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -255,7 +255,7 @@ class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froze
     """
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
 
 

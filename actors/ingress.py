@@ -126,7 +126,7 @@ class IngressServer:
     def __init__(self, config: ServeConfig, verifier) -> None:
         from ray.serve.handle import DeploymentHandle
 
-        from engine.config import load_model_config
+        from engine.config import context_window, load_model_config
         from engine.loader import load_tokenizer
 
         self.config, self.verifier = config, verifier
@@ -135,7 +135,7 @@ class IngressServer:
         self.model_name = config.model_name
         model_path = config.engine.model
         model_config = load_model_config(model_path)
-        self.max_model_len = config.engine.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = context_window(config.engine.max_model_len, model_config.max_position_embeddings)
         self.vocab_size = model_config.vocab_size
         from pathlib import Path
 

@@ -24,6 +24,7 @@ import torch
 from actors.config import ServeConfig
 from actors.engine_loop import SHUTTING_DOWN, EngineLoop
 from actors.stream_items import unavailable_item
+from engine.config import context_window
 from engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class VerifierServer:
         else:
             drafter = NoneDrafter()
         self.router = router
-        max_len = e.max_model_len or target.config.max_position_embeddings
+        max_len = context_window(e.max_model_len, target.config.max_position_embeddings)
         return LLMEngine(target, drafter, e.num_speculative_tokens, e.scheduler, max_len, self.telemetry,
                          e.speculative_policy)
 

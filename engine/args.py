@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import msgspec
@@ -9,6 +10,7 @@ import msgspec
 from engine.drafters.base import Drafter, NoneDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import ConfigError
+from engine.field_types import check_field_types
 from engine.loader import LoadedModel, load_model, resolve_dtype
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.scheduler import SchedulerConfig
@@ -64,6 +66,11 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        # Paths may come as pathlib objects; every other field must have its annotated type.
+        self.model = os.fspath(self.model) if isinstance(self.model, os.PathLike) else self.model
+        if isinstance(self.draft_model, os.PathLike):
+            self.draft_model = os.fspath(self.draft_model)
+        check_field_types(self, lambda name, message: ConfigError(f"{name}: {message}"))
         if self.speculative_method is None and self.draft_model is not None:
             self.speculative_method = "draft"
         if self.speculative_method in ("draft", "eagle3") and self.draft_model is None:
@@ -75,6 +82,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               f"got {self.num_speculative_tokens}")
         if self.pipelined_drafting and self.speculative_method != "draft":
             raise ConfigError("pipelined_drafting: needs speculative_method 'draft' (a draft model drafts ahead)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len: must be >= 2 (a prompt token and an output token), got "
+                              f"{self.max_model_len}")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError("ngram_min_n/ngram_max_n: need 1 <= ngram_min_n <= ngram_max_n")
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.config import context_window
 from engine.detokenizer import SequenceOutputState
 from engine.drafters.base import Drafter, DraftProposal, DraftRequest, NoneDrafter
 from engine.drafters.eagle import FeatureHistory
@@ -49,10 +50,13 @@ class LLMEngine:
         drafter: proposes draft tokens (draft model, n-gram, or none).
         num_speculative_tokens: the most a sequence drafts, k (0..16); a request may ask for less.
         scheduler_config: batching limits; ``max_num_seqs`` sizes the target KV cache.
-        max_model_len: context window (defaults to the target's ``max_position_embeddings``).
+        max_model_len: context window, 2 up to the target's ``max_position_embeddings`` (the default).
         observer: step/phase hooks (tracing); defaults to none.
         speculative_policy: "adaptive" picks each sequence's draft length per step, up to its k
             and 0 included (:mod:`engine.spec_controller`); "fixed" always drafts k.
+
+    Raises:
+        ConfigError: ``max_model_len`` outside that range.
     """
 
     def __init__(
@@ -75,7 +79,7 @@ class LLMEngine:
                                        target.model.device) if self.feature_layers else None
         self.num_speculative_tokens = num_speculative_tokens
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig())
-        self.max_model_len = max_model_len or target.config.max_position_embeddings
+        self.max_model_len = context_window(max_model_len, target.config.max_position_embeddings)
         self.kv = target.model.new_kv_cache(self.scheduler.config.max_num_seqs, self.max_model_len)
         self.stats = SpecDecodeStats()
         self.num_steps = 0
@@ -149,7 +153,7 @@ class LLMEngine:
         k = params.num_speculative_tokens
         if k is not None and k > self.num_speculative_tokens:
             raise RequestError(f"'num_speculative_tokens' must be at most {self.num_speculative_tokens} (the "
-                               f"server's num_speculative_tokens), got {k}", param="num_speculative_tokens")
+                               f"engine's num_speculative_tokens), got {k}", param="num_speculative_tokens")
         vocab_size = self.target.config.vocab_size
         check_prompt(prompt_token_ids, params.max_tokens, vocab_size, self.max_model_len)
         if any(t >= vocab_size for t in params.stop_token_ids or ()):

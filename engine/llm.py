@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine.args import EngineArgs
+from engine.config import context_window
 from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.outputs import RequestOutput
-from engine.request_ranges import check_without_tokenizer
+from engine.request_ranges import RequestError, check_without_tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 
@@ -20,7 +21,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     """Load the target (experts in-process) and the drafter ``args`` names."""
     target = load_model(args.model, args.dtype, args.device, skip_tokenizer_init=args.skip_tokenizer_init,
                         compile=args.compile)
-    max_len = args.max_model_len or target.config.max_position_embeddings
+    max_len = context_window(args.max_model_len, target.config.max_position_embeddings)
     drafter = args.build_drafter(target, max_len)
     return LLMEngine(target, drafter, args.num_speculative_tokens, args.scheduler, max_len,
                      speculative_policy=args.speculative_policy)
@@ -91,17 +92,26 @@ class LLM:
             ValueError: bad prompt or parameters (see :meth:`LLMEngine.add_request`); the prompts of
                 this call queued before the bad one are withdrawn, so nothing of it runs later.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and _is_token_ids(prompts)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a string, a list of token ids or a list of either, got "
+                               f"{type(prompts).__name__}", "prompt")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         requests = []
         try:
             for prompt, p in zip(prompts, params):
                 text = prompt if isinstance(prompt, str) else None
+                if text is None and not _is_token_ids(prompt):
+                    raise RequestError(f"each prompt must be a string or a list of token ids (ints), got "
+                                       f"{prompt!r:.60}", "prompt")
                 if self.tokenizer is None:
                     check_without_tokenizer(text is not None, p.stop)
                 ids = self.tokenizer.encode(prompt).ids if text is not None else list(prompt)
@@ -122,3 +132,8 @@ class LLM:
     def get_metrics(self) -> dict:
         """Engine totals (see :meth:`LLMEngine.get_metrics`)."""
         return self.engine.get_metrics()
+
+
+def _is_token_ids(value) -> bool:
+    """A list or tuple of ints (bools are not token ids)."""
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)

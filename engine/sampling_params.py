@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.field_types import check_field_types
 from engine.request_ranges import (  # noqa: F401  (re-exported: the limits' historical home)
     MAX_INT32,
     MAX_LOGPROBS,
@@ -11,6 +12,7 @@ from engine.request_ranges import (  # noqa: F401  (re-exported: the limits' his
     MAX_SEED,
     MAX_SPECULATIVE_TOKENS,
     RANGES,
+    RequestError,
     check_range,
     check_stop,
 )
@@ -26,7 +28,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         seed: seeds this request's own ``torch.Generator``; None draws a random seed.
-        stop: up to 4 non-empty strings that end the sequence; the matched string is not part of the text.
+        stop: up to 4 non-empty strings that end the sequence (one string: that one); the matched
+            string is not part of the text.
         stop_token_ids: token ids that end the sequence (kept in token_ids, not in text).
         ignore_eos: keep going past the model's end-of-sequence token.
         logprobs: number of top alternatives (0..5) whose target log-probabilities are returned
@@ -58,6 +61,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     slo_class: str | None = None
 
     def __post_init__(self) -> None:
+        # vLLM's conveniences: one stop string, and None for "no stop strings / ids".
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        check_field_types(self, lambda name, message: RequestError(f"'{name}': {message}", name))
         self.validate()
 
     @property

@@ -6,6 +6,7 @@ import socket
 import pytest
 
 import serve_app
+from engine.errors import ConfigError
 
 
 def test_missing_checkpoint_is_a_clear_startup_error(tmp_path, capsys):
@@ -81,6 +82,23 @@ def test_command_line_overrides(argv, method, k, policy):
     config = serve_app.apply_overrides(load_yaml("configs/embedded.yaml", ServeConfig), ns)
     assert (config.engine.speculative_method, config.engine.num_speculative_tokens) == (method, k)
     assert config.engine.speculative_policy == policy
+
+
+@pytest.mark.parametrize(("port", "error"), [(0, ">= 1"), (-1, ">= 1"), (99999, "<= 65535"), (8123, None)])
+def test_a_port_override_is_validated_like_the_yaml(port, error):
+    import argparse
+
+    from actors.config import ServeConfig
+    from engine.yaml_config import load_yaml
+
+    ns = argparse.Namespace(host=None, port=port, speculative_method=None, num_speculative_tokens=None,
+                            speculative_policy=None)
+    config = load_yaml("configs/embedded.yaml", ServeConfig)
+    if error is None:
+        assert serve_app.apply_overrides(config, ns).http.port == port
+    else:  # was a traceback from bind() (99999, -1) or silently port 8000 (0)
+        with pytest.raises(ConfigError, match=rf"{error} - at `\$\.http\.port`"):
+            serve_app.apply_overrides(config, ns)
 
 
 @pytest.mark.parametrize("value", [True, False])

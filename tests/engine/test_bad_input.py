@@ -115,3 +115,41 @@ def test_a_request_may_lower_its_draft_length_but_not_raise_it_and_stop_ids_are_
     with pytest.raises(RequestError, match=rf"below the vocabulary size {vocab_size}") as err:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop_token_ids=[3, vocab_size]))
     assert err.value.param == "stop_token_ids" and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"speculative_method": "eagle"}, r"^speculative_method: Invalid enum value 'eagle'"),
+    ({"speculative_method": "DRAFT", "draft_model": "x"}, r"^speculative_method: Invalid enum value 'DRAFT'"),
+    ({"speculative_policy": "greedy"}, r"^speculative_policy: Invalid enum value 'greedy'"),
+    ({"num_speculative_tokens": 4.5}, r"^num_speculative_tokens: Expected `int \| null`, got `float`"),
+    ({"num_speculative_tokens": "4"}, r"^num_speculative_tokens: Expected `int \| null`, got `str`"),
+    ({"max_model_len": 0}, r"^max_model_len: must be >= 2"), ({"max_model_len": -5}, r"^max_model_len: must be >= 2"),
+])
+def test_engine_args_built_by_hand_refuse_wrong_types_and_values_naming_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineArgs(**{"model": "checkpoints/stdlib-moe-target", **kwargs})
+
+
+def test_a_context_window_beyond_the_models_is_refused_before_the_kv_cache_is_allocated():
+    from engine import LLM
+    from tests.engine.bundled import TARGET
+
+    # 10**6 positions used to allocate the KV cache until the kernel killed the process.
+    with pytest.raises(ConfigError, match=r"max_model_len: must be in \[2, 1024\].*got 1000000"):
+        LLM(TARGET, max_model_len=10**6)
+    assert LLM(TARGET, max_model_len=1024).engine.max_model_len == 1024
+
+
+@pytest.mark.parametrize("prompts", [None, b"def x():", [5, "text"], [True, False], [[1.5, 2]]])
+def test_prompts_of_the_wrong_type_are_refused_naming_the_prompt(prompts):
+    from engine import LLM, SamplingParams
+    from engine.request_ranges import RequestError
+    from tests.engine.bundled import TARGET
+
+    llm = LLM(TARGET)
+    with pytest.raises(RequestError, match="prompt") as err:
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert err.value.param == "prompt" and not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        llm.generate("def f():", "greedy")
+    assert len(llm.generate((5, 6, 7), SamplingParams(temperature=0, max_tokens=2))) == 1  # a tuple of ids

@@ -70,3 +70,22 @@ def test_nesting_too_deep_for_the_decoder_is_a_400():
     with pytest.raises(ProtocolError, match="nested too deeply") as err:
         decode_request(body, CompletionRequest)
     assert err.value.status == 400
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", None), ("temperature", "0.5"), ("max_tokens", None), ("max_tokens", 3.7), ("n", 2.0),
+    ("n", True), ("top_k", 1.5), ("seed", 1.5), ("stop_token_ids", 5), ("stop_token_ids", ["a"]),
+    ("logprobs", True), ("logprobs", 2.5), ("slo_class", 5), ("ignore_eos", "no"), ("stop", [1]),
+    ("priority", "high"), ("num_speculative_tokens", 4.5),
+])
+def test_a_wrong_type_is_refused_at_construction_naming_the_field(field, value):
+    # Built by hand (not decoded), a wrong type used to reach a step and fail the step's whole batch.
+    with pytest.raises(RequestError, match=rf"^'{field}': ") as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
+
+
+def test_vllms_conveniences_for_stop_and_numbers():
+    assert SamplingParams(stop="abc").stop == ["abc"]  # one string, not three characters
+    assert SamplingParams(stop=None).stop == [] and SamplingParams(stop_token_ids=None).stop_token_ids == []
+    assert SamplingParams(temperature=0).temperature == 0.0 and isinstance(SamplingParams(top_p=1).top_p, float)
