@@ -71,6 +71,20 @@ def ray_env() -> dict:
     return env
 
 
+def check_device(device: str) -> None:
+    """The embedded start runs every replica here: a CUDA device must exist on this machine (on a
+    cluster it is the worker nodes' business, so this is not checked there).
+
+    Raises:
+        StartupError: ``engine.device`` is CUDA and torch sees no CUDA device.
+    """
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise StartupError(f"engine.device: {device!r}, but torch sees no CUDA device on this machine (torch "
+                           f"{torch.__version__}); use device: cpu")
+
+
 def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 300.0,
           address: str | None = None, sigterm: Callable | None = None) -> str:
     """Join the Ray cluster at ``address`` (else ``RAY_ADDRESS``) or start a loopback-only local Ray,
@@ -78,8 +92,8 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     to (re)install once Ray is up (``ray.init`` replaces the process's handler with its own).
 
     Raises:
-        StartupError: missing checkpoint, port in use, Ray not starting (or its cluster unreachable), or the
-            app not becoming healthy in time.
+        StartupError: missing checkpoint, port in use, a CUDA device missing here, Ray not starting
+            (or its cluster unreachable), or the app not becoming healthy in time.
     """
     from ray import serve
 
@@ -90,6 +104,7 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     resolve_paths(config, base or Path.cwd())
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
         check_port(config.http.host, config.http.port)
+        check_device(config.engine.device)
     try:
         owns_ray = init_ray(config.experts.namespace, ray_env(), address)
     except Exception as e:  # ray.init raises bare Exception / ConnectionError (node start timeout, bad address)

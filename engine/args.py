@@ -71,6 +71,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if isinstance(self.draft_model, os.PathLike):
             self.draft_model = os.fspath(self.draft_model)
         check_field_types(self, lambda name, message: ConfigError(f"{name}: {message}"))
+        resolve_dtype(self.dtype)  # a bad name fails here, not in every replica that loads the model
         if self.speculative_method is None and self.draft_model is not None:
             self.speculative_method = "draft"
         if self.speculative_method in ("draft", "eagle3") and self.draft_model is None:

@@ -32,6 +32,29 @@ def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
 
 
+def test_bad_dtype_and_missing_cuda_fail_before_ray_starts(tmp_path, capsys, monkeypatch):
+    """Both used to surface only as three failed verifier replicas and ~200 lines of tracebacks."""
+    import actors.cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(actors.cluster, "init_ray", lambda *_: pytest.fail("Ray started"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    for (good, bad), culprit in ((("dtype: float32", "dtype: fp64"), "dtype: 'fp64' is not one of"),
+                                 (("device: cpu", "device: cuda"), "engine.device: 'cuda', but torch sees no CUDA")):
+        text = open("configs/embedded.yaml").read().replace(good, bad, 1)
+        text = text.replace(" checkpoints/", f" {os.getcwd()}/checkpoints/")  # the file is elsewhere
+        cfg = tmp_path / "bad.yaml"
+        cfg.write_text(text)
+        assert serve_app.main(["--config", str(cfg), "--port", str(_free_port())]) == 2
+        assert culprit in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_ray_not_starting_is_a_clear_startup_error(monkeypatch, capsys):
     import actors.cluster
 
