@@ -104,9 +104,10 @@ def parse_hf_config(raw: dict[str, Any], generation_config: dict[str, Any] | Non
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(
-            f"config.architectures: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        # An EAGLE-3 head loaded as a model: the usual slip is a draft_model without its method.
+        hint = " (an EAGLE-3 draft head: load it with speculative_method 'eagle3')" if "eagle" in str(arch).lower() else ""
+        raise ConfigError(f"config.architectures: unsupported architecture {arch!r}{hint}; supported: "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     get = _field_getter(raw)
     num_heads = get("num_attention_heads", int)
     hidden = get("hidden_size", int)

@@ -153,3 +153,12 @@ def test_prompts_of_the_wrong_type_are_refused_naming_the_prompt(prompts):
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
         llm.generate("def f():", "greedy")
     assert len(llm.generate((5, 6, 7), SamplingParams(temperature=0, max_tokens=2))) == 1  # a tuple of ids
+
+
+def test_an_eagle3_head_given_as_a_draft_model_points_to_its_method():
+    from engine import LLM
+    from tests.engine.bundled import DRAFT, TARGET
+
+    head = DRAFT.replace("stdlib-draft", "stdlib-eagle3")
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLMEagle3.*speculative_method 'eagle3'"):
+        LLM(TARGET, draft_model=head)
