@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-from engine.request_ranges import RequestError, check_range, check_stop
+from engine.request_ranges import RequestError, check_range, check_stop, is_token_ids
 from engine.sampling_params import SamplingParams
 
 # OpenAI parameters specmoe does not implement: rejected (400 naming them) rather than silently ignored.
@@ -129,9 +129,9 @@ class CompletionRequest(_Sampling, kw_only=True):
         if self.echo:
             raise ProtocolError("'echo' is not supported", "echo")
         if isinstance(self.prompt, list) and self.prompt and _looks_like_token_ids(self.prompt) \
-                and not _is_token_ids(self.prompt):
+                and not is_token_ids(self.prompt):
             raise ProtocolError("'prompt' token ids must be integers", "prompt")
-        if isinstance(self.prompt, list) and self.prompt and not _is_token_ids(self.prompt):
+        if isinstance(self.prompt, list) and self.prompt and not is_token_ids(self.prompt):
             if len(self.prompt) != 1:
                 raise ProtocolError("batched prompts are not supported: send one request per prompt", "prompt")
             self.prompt = self.prompt[0]
@@ -139,12 +139,8 @@ class CompletionRequest(_Sampling, kw_only=True):
                 raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
         if not self.prompt:
             raise ProtocolError("'prompt' must not be empty", "prompt")
-        if not isinstance(self.prompt, str) and not _is_token_ids(self.prompt):
+        if not isinstance(self.prompt, str) and not is_token_ids(self.prompt):
             raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
-
-
-def _is_token_ids(value: list) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _looks_like_token_ids(value: list) -> bool:

@@ -83,9 +83,6 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               f"got {self.num_speculative_tokens}")
         if self.pipelined_drafting and self.speculative_method != "draft":
             raise ConfigError("pipelined_drafting: needs speculative_method 'draft' (a draft model drafts ahead)")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len: must be >= 2 (a prompt token and an output token), got "
-                              f"{self.max_model_len}")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError("ngram_min_n/ngram_max_n: need 1 <= ngram_min_n <= ngram_max_n")
 

@@ -12,7 +12,7 @@ from engine.config import context_window
 from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.outputs import RequestOutput
-from engine.request_ranges import RequestError, check_without_tokenizer
+from engine.request_ranges import RequestError, check_without_tokenizer, is_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 
@@ -92,7 +92,7 @@ class LLM:
             ValueError: bad prompt or parameters (see :meth:`LLMEngine.add_request`); the prompts of
                 this call queued before the bad one are withdrawn, so nothing of it runs later.
         """
-        if isinstance(prompts, str) or (prompts and _is_token_ids(prompts)):
+        if isinstance(prompts, str) or (prompts and is_token_ids(prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a string, a list of token ids or a list of either, got "
@@ -109,7 +109,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 text = prompt if isinstance(prompt, str) else None
-                if text is None and not _is_token_ids(prompt):
+                if text is None and not is_token_ids(prompt):
                     raise RequestError(f"each prompt must be a string or a list of token ids (ints), got "
                                        f"{prompt!r:.60}", "prompt")
                 if self.tokenizer is None:
@@ -132,8 +132,3 @@ class LLM:
     def get_metrics(self) -> dict:
         """Engine totals (see :meth:`LLMEngine.get_metrics`)."""
         return self.engine.get_metrics()
-
-
-def _is_token_ids(value) -> bool:
-    """A list or tuple of ints (bools are not token ids)."""
-    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)

@@ -118,6 +118,11 @@ def check_without_tokenizer(text_prompt: bool, stop: Sequence[str]) -> None:
                            "stop")
 
 
+def is_token_ids(value) -> bool:
+    """A list or tuple of ints: a prompt as token ids (bools are not token ids)."""
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, vocab_size: int,
                  max_model_len: int) -> None:
     """A prompt's token ids against the vocabulary and the context window.
