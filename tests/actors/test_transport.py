@@ -284,9 +284,13 @@ def test_an_idle_server_does_not_burn_a_core(served):
     time.sleep(window_s)
     after = _ray_worker_cpu_s()
     used = {p: (after[p][0], after[p][1] - before[p][1]) for p in before if p in after}
-    # A polling compiled-graph reader burns 20-60 s of this minute in its own process; idle Ray
-    # workers (Serve's controller polling included) use well under 1 s each (measured: <= 1.6 s).
-    busiest = max(s for _, s in used.values())
+    # A polling compiled-graph reader burns 20-60 s of this minute in its own process, which can be
+    # any of the app's actors or the compiled graphs' driver proxies; idle, each uses ~1 s. Ray's
+    # and Serve's own processes are not where a reader lives and run their own loops (Serve's
+    # controller reconciles every 0.1 s: 1.6-3.0 CPU s a minute measured here): they count in
+    # the sum below.
+    system = ("ray::ServeController", "ray::ProxyActor", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+    busiest = max(s for title, s in used.values() if not title.startswith(system))
     assert busiest < 0.05 * window_s, f"a Ray worker used {busiest:.1f} CPU s in an idle {window_s:.0f} s: {used}"
     # The server's own processes together: Ray's pooled ``IDLE`` workers hold no actor of it (how
     # many there are depends on what earlier tests ran on this Ray; ~0.8 s a minute each).
