@@ -160,8 +160,10 @@ class ActorGraph:
             if dag is None or self._parking is None:
                 return
             self._last_used = time.monotonic()
+            self._wake()
+            parking, self._parking = self._parking, None
             try:
-                self._unpark()
+                ray.get(parking, timeout=self.timeout_s)  # the parking execution's result
             except Exception as e:
                 self._failed(dag, e)
 
@@ -170,6 +172,7 @@ class ActorGraph:
         order); None when no graph is live (a background build is started). Several may be in
         flight: the actors run them in order, so one micro-batch's experts can run while the
         engine thread computes another's attention (two-batch overlap)."""
+        self.wake()  # a no-op unless parked; a member that died while parked leaves no graph here
         with self._lock:
             dag = self._dag
             if dag is None:
@@ -177,7 +180,6 @@ class ActorGraph:
                 return None
             self._last_used = time.monotonic()
             try:
-                self._unpark()
                 ref = dag.execute(request)
             except Exception as e:
                 self._failed(dag, e)
@@ -310,15 +312,6 @@ class ActorGraph:
                 handle.wake_graph.remote(n)
             except Exception:  # a dead actor: the parking execution's result says so
                 log.debug("waking a parked %s graph member failed", self.name, exc_info=True)
-
-    def _unpark(self) -> None:
-        """Wake a parked graph and read its parking execution (under the lock); raises what that
-        read raises (a member died while parked)."""
-        if self._parking is None:
-            return
-        self._wake()
-        parking, self._parking = self._parking, None
-        ray.get(parking, timeout=self.timeout_s)
 
     def close(self) -> None:
         """Tear the graph down for good (replica shutdown)."""
