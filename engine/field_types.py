@@ -9,6 +9,7 @@ construction, so a wrong type is refused up front, naming the field.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import msgspec
@@ -22,9 +23,16 @@ def check_field_types(obj: msgspec.Struct, error: Callable[[str, str], Exception
         what ``error(field_name, message)`` returns, for the first field whose value has the wrong
         type (message: msgspec's, e.g. "Expected `int`, got `float`").
     """
-    for field in msgspec.structs.fields(obj):
+    for field in _fields(type(obj)):
         value = getattr(obj, field.name)
         try:
             setattr(obj, field.name, msgspec.convert(value, field.type))
         except msgspec.ValidationError as e:
             raise error(field.name, str(e)) from None
+
+
+@functools.cache
+def _fields(cls: type) -> tuple:
+    """``msgspec.structs.fields(cls)``, resolved once per class (it re-reads the type hints:
+    ~140 us a call; a whole SamplingParams construction is ~20 us with it cached)."""
+    return msgspec.structs.fields(cls)
