@@ -37,6 +37,7 @@ Only draft *lengths* change, never how tokens are verified, so output stays loss
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -178,10 +179,21 @@ class SpeculationController:
             self._num_probes += 1
             decision = Decision({sid: min(c, k) for sid, c in caps.items()}, "probe")
         else:
-            glob = self.estimates.server_wide()  # once per step: every sequence's estimate shrinks toward it
-            decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
-                                      self._amortised(caps, catchup or {}, remaining or {}, glob), glob,
-                                      tpot or {})
+            # Realised rates are of pure-decode steps; budgets and windows drafted ahead are costs
+            # they do not separate out.
+            pure_decode = num_base_tokens == len(caps) + len(fixed) and not num_prefills and not tpot \
+                and not self._ready
+            verdict = self._realised(len(caps) + len(fixed)) if pure_decode else None
+            if verdict == (False, False) and not any(fixed.values()):
+                # Realised rates say off and no explore step is due: the model's choice would be
+                # overruled, so it is not computed (a step of plain decoding pays no optimisation).
+                decision = Decision(dict.fromkeys(caps, 0), "adaptive", float(len(caps) + len(fixed)),
+                                    self.predict_step_s(num_base_tokens))
+            else:
+                glob = self.estimates.server_wide()  # once per step: every sequence's estimate shrinks toward it
+                decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
+                                          self._amortised(caps, catchup or {}, remaining or {}, glob), glob,
+                                          tpot or {}, verdict)
             if decision.reason == "adaptive":
                 self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
         decision.k.update(fixed)
@@ -216,7 +228,9 @@ class SpeculationController:
 
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
                   fixed: dict[str, int], catchup: dict[str, float], glob: np.ndarray,
-                  tpot: dict[str, tuple[float, float]]) -> Decision:
+                  tpot: dict[str, tuple[float, float]], verdict: tuple[bool | None, bool] | None) -> Decision:
+        """The model's best draft lengths, overruled on or off by ``verdict`` (:meth:`_realised`;
+        None: not a pure-decode step, the model decides)."""
         ids = list(caps)
         gains = self._gains(ids, caps, glob)  # (B, max_k), zero beyond each cap
         ready = self._ready_probability(ids, glob)
@@ -240,9 +254,8 @@ class SpeculationController:
         # A sequence's catch-up is paid once its first position is in: at the entry of position 1.
         first = np.where(positions == 1, [catchup.get(ids[r], 0) for r in order // self.max_k], 0)
         caught = sum(catchup.get(sid, 0) for sid, k in fixed.items() if k) + np.concatenate(([0], np.cumsum(first)))
-        ones = np.ones(len(n))
-        draft_s = np.where(drafted > 0, self.draft_cost.predict(np.stack([ones, passes, drafted, caught], 1)), 0.0)
-        target_s = self.target_cost.predict(np.stack([ones, tokens, self.activation.predict(tokens)], 1))
+        draft_s = np.where(drafted > 0, self.draft_cost.predict(1.0, passes, drafted, caught), 0.0)
+        target_s = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
         step_s = np.maximum(draft_s + target_s, 1e-6)
         step_s *= np.where(drafted > 0, self.calibration[True], self.calibration[False])
         rate = expected / step_s
@@ -256,35 +269,38 @@ class SpeculationController:
         elif best > 0 and not self._on and rate[best] < rate[0] * (1 + h):
             best = 0  # stay off unless on is clearly better
         reason = "adaptive"
-        # Realised rates are of pure-decode steps; budgets and windows drafted ahead are costs
-        # they do not separate out.
-        pure_decode = num_base_tokens == len(ids) + len(fixed) and not num_prefills
-        if best_on and pure_decode and not tpot and not self._ready:
-            best, reason = self._realised_choice(best, best_on, len(ids) + len(fixed))
+        if best_on and verdict is not None:
+            on, explore = verdict
+            if on is not None:  # measured: the realised rates decide on or off
+                best = (best or best_on) if on else 0
+            if explore:  # the other mode, to keep its rate fresh
+                best, reason = (0 if best else best_on), "explore"
         rows = order[:best] // self.max_k
         k = dict.fromkeys(ids, 0)
         for row in rows:
             k[ids[row]] += 1
         return Decision(k, reason, float(expected[best]), float(step_s[best]))
 
-    def _realised_choice(self, best: int, best_on: int, num_decodes: int) -> tuple[int, str]:
-        """The explore/exploit check on realised goodput: ``(draft total, reason)`` from the
-        model's choice ``best`` (0: off) and its best drafting total ``best_on``."""
+    def _realised(self, num_decodes: int) -> tuple[bool | None, bool] | None:
+        """The explore/exploit check on realised goodput, once per pure-decode step: ``(on,
+        explore)``, ``on`` the realised rates' verdict with hysteresis (None until both modes are
+        measured) and ``explore`` whether this step runs the other mode; None when nothing was
+        realised yet (the model decides alone)."""
         goodput = self._bucket(num_decodes)
-        if not goodput.steps.any():  # nothing realised reported (yet): the model decides alone
-            return best, "adaptive"
+        if not goodput.steps.any():
+            return None
         rates = goodput.rates()
-        if rates is not None:  # measured: the realised rates decide on or off, with hysteresis
-            off, on = rates
+        on = None
+        if rates is not None:
+            off, drafting = rates
             h = self.settings.hysteresis
-            go_on = not off > on * (1 + h) if self._on else on > off * (1 + h)
-            best = (best or best_on) if go_on else 0
+            on = not off > drafting * (1 + h) if self._on else drafting > off * (1 + h)
         thin = rates is None or abs(rates[1] / rates[0] - 1) < self.settings.thin_margin
         self._since_explore += 1
-        if self._since_explore >= self.settings.explore_interval_steps * (1 if thin else 4):
+        explore = self._since_explore >= self.settings.explore_interval_steps * (1 if thin else 4)
+        if explore:
             self._since_explore = 0
-            return (0 if best else best_on), "explore"  # the other mode, to keep its rate fresh
-        return best, "adaptive"
+        return on, explore
 
     def _bucket(self, num_decodes: int) -> RealisedGoodput:
         """The realised goodput of steps with about this many decoding sequences (power of two)."""
@@ -310,9 +326,8 @@ class SpeculationController:
     def predict_step_s(self, num_target_tokens: int, passes: int = 0, num_drafted: int = 0) -> float:
         """Predicted seconds of a step with this many target tokens and draft work (0 before
         any step was observed)."""
-        tokens = np.asarray([float(num_target_tokens)])
-        target = self.target_cost.predict(np.stack([[1.0], tokens, self.activation.predict(tokens)], 1))[0]
-        draft = self.draft_cost.predict(np.array([[1.0, passes, num_drafted, 0.0]]))[0] if num_drafted else 0.0
+        target = self.target_cost.predict(1.0, num_target_tokens, self.activation.predict(num_target_tokens))
+        draft = self.draft_cost.predict(1.0, passes, num_drafted, 0.0) if num_drafted else 0.0
         return float(target + draft) * self.calibration[num_drafted > 0]
 
     def expected_tokens(self, seq_id: str, k: int) -> float:
@@ -365,16 +380,15 @@ class SpeculationController:
                      num_target_tokens: int, distinct_experts: int | None, num_catchup: int = 0) -> None:
         """Measured costs of one step: the draft phase (0 s when nothing was drafted) and the
         target forward plus verification, with the distinct (layer, expert) pairs it activated."""
-        experts = float(self.activation.predict(np.asarray([num_target_tokens]))[0]) \
-            if distinct_experts is None else float(distinct_experts)
-        predicted = float(self.target_cost.predict(np.array([[1.0, num_target_tokens, experts]]))[0])
+        experts = float(self.activation.predict(num_target_tokens) if distinct_experts is None else distinct_experts)
+        predicted = self.target_cost.predict(1.0, num_target_tokens, experts)
         if num_drafted > 0:
-            predicted += float(self.draft_cost.predict(np.array([[1.0, passes, num_drafted, num_catchup]]))[0])
+            predicted += self.draft_cost.predict(1.0, passes, num_drafted, num_catchup)
         if predicted > 0:  # before the models learn from this step: an honest out-of-sample ratio
             mode, rate = num_drafted > 0, self.settings.calibration_rate
             # In log space with the step's deviation clipped: one stalled step moves it by 22 % at most.
-            dev = np.clip(np.log(max(draft_s + target_s, 1e-9) / predicted / self.calibration[mode]), -1.0, 1.0)
-            self.calibration[mode] *= float(np.exp(rate * dev))
+            dev = math.log(max(draft_s + target_s, 1e-9) / predicted / self.calibration[mode])
+            self.calibration[mode] *= math.exp(rate * min(1.0, max(-1.0, dev)))
         # Warm-up and probe steps exist to inform the fit (lengths the controller would not pick):
         # they count in full; its own choices are Huber-weighted against stalls.
         robust = self.last.reason not in ("warmup", "probe")

@@ -47,13 +47,14 @@ class OnlineLinearCost:
         self.relative_floor = relative_floor
         self.num_observations = 0
         self.theta = np.zeros(num_features)
+        # theta as Python floats: a step's scalar predictions without numpy's per-call overhead.
+        self._coef = [0.0] * num_features
         self.residual_scale_s = 0.0  # EW mean absolute residual of the (weighted) fit, seconds
 
     def observe(self, features: list[float], seconds: float, robust: bool = True) -> None:
         """Add one measured step: ``features`` (len num_features), ``seconds`` its duration;
         ``robust=False`` takes it at full weight (a deliberately informative step, e.g. a probe)."""
-        x = np.asarray(features, dtype=np.float64)
-        predicted = float(x @ self.theta)
+        predicted = self.predict(*features)
         residual = abs(seconds - predicted)
         # Never trust the scale below a relative floor: a fit that is exact on its usual points
         # must still learn from a rare, informative one (a probe of another draft length).
@@ -64,10 +65,12 @@ class OnlineLinearCost:
         clipped = min(residual, limit) if trusted else residual
         self.residual_scale_s += (clipped - self.residual_scale_s) * \
             ((1.0 - self.forgetting) if trusted else 1.0 / (self.num_observations + 1))
+        x = np.asarray(features, dtype=np.float64)
         self.xtx = self.forgetting * self.xtx + w * np.outer(x, x)
         self.xty = self.forgetting * self.xty + w * x * seconds
         self.num_observations += 1
         self.theta = self._solve()
+        self._coef = self.theta.tolist()
 
     def _solve(self) -> np.ndarray:
         n = len(self.xty)
@@ -87,9 +90,15 @@ class OnlineLinearCost:
                 theta[keep] = np.linalg.solve(sub, self.xty[keep])
         return np.maximum(theta, 0.0)
 
-    def predict(self, features: np.ndarray) -> np.ndarray:
-        """Seconds for each row of ``features`` ``(N, num_features)`` -> ``(N,)``."""
-        return features @ self.theta
+    def predict(self, *columns):
+        """Seconds ``theta . features`` for features given by column: ``columns[i]`` is feature
+        ``i``, a float or an ``(N,)`` array (then ``(N,)`` seconds). Per call a handful of scalar
+        or elementwise operations, no feature matrix: the controller predicts several times a step.
+        """
+        out = self._coef[0] * columns[0]
+        for coef, column in zip(self._coef[1:], columns[1:]):
+            out = out + coef * column
+        return out
 
 
 class ExpertActivation:
@@ -115,10 +124,9 @@ class ExpertActivation:
         p = 1.0 - (1.0 - frac) ** (1.0 / num_tokens)  # invert E[distinct] = E (1 - (1 - p)^T)
         self.p += self.smoothing * (p - self.p)
 
-    def predict(self, num_tokens: np.ndarray) -> np.ndarray:
-        """Expected distinct (layer, expert) pairs for each token count ``(N,)`` -> ``(N,)``."""
-        if not self.num_experts:
-            return np.zeros_like(num_tokens, dtype=np.float64)
+    def predict(self, num_tokens):
+        """Expected distinct (layer, expert) pairs for a token count (a number, or ``(N,)`` counts
+        -> ``(N,)``)."""
         return self.num_layers * self.num_experts * (1.0 - (1.0 - self.p) ** num_tokens)
 
 

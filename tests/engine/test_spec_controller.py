@@ -139,7 +139,7 @@ def test_online_cost_recovers_a_linear_model_with_non_negative_coefficients():
     for t in range(1, 30):  # features 1 and 2 identical: the fit must not go negative
         collinear.observe([1.0, t, t], 0.01 + 0.001 * t)
     assert (collinear.theta >= 0).all()
-    assert collinear.predict(np.array([[1.0, 10, 10]]))[0] == pytest.approx(0.02, rel=0.05)
+    assert collinear.predict(1.0, 10, 10) == pytest.approx(0.02, rel=0.05)
 
 
 def _fit_with_stalls(huber: float) -> tuple[OnlineLinearCost, np.ndarray, np.ndarray]:
@@ -257,6 +257,16 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     assert own and all(sum(d.k.values()) == 0 for d in own)
     explored = [d for d in slow[100:] if d.reason == "explore"]
     assert explored and all(sum(d.k.values()) > 0 for d in explored)  # drafting, to re-measure it
+    # While the realised rates keep it off, only explore steps (and probes) run the model's
+    # optimisation: a plain-decoding step pays none of it.
+    optimised = []
+    real_optimise = ctl._optimise
+    ctl._optimise = lambda *a: optimised.append(1) or real_optimise(*a)
+    off = drive(64, 0.100)
+    ctl._optimise = real_optimise
+    assert len(optimised) == sum(d.reason == "explore" for d in off) > 0
+    plain = [d for d in off if d.reason == "adaptive"]
+    assert plain and all(d.expected_tokens == len(caps) and d.predicted_step_s > 0 for d in plain)
     fast = drive(300, 0.012)
     own = [d for d in fast[200:] if d.reason == "adaptive"]
     assert own and all(sum(d.k.values()) > 0 for d in own)
