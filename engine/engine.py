@@ -13,31 +13,26 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Iterable
 
-import torch
-
 from engine.config import context_window
-from engine.detokenizer import SequenceOutputState
 from engine.drafters.base import Drafter, DraftProposal, DraftRequest, NoneDrafter
 from engine.drafters.eagle import FeatureHistory
+from engine.emission import emit_tokens
 from engine.errors import QueueFull
 from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats, TokenLogprob
+from engine.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from engine.request_ranges import RequestError, check_prompt, check_without_tokenizer
-from engine.sampling import make_generator, top_logprobs
-from engine.sampling_params import MAX_SEED, MAX_SPECULATIVE_TOKENS, SamplingParams
+from engine.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
 from engine.slo import SLOPolicy
 from engine.spec_controller import Decision, SpeculationController, SpeculativePolicy
 from engine.spec_cost import ActivationMeter, ExpertActivation
 from engine.verification import build_verify_batch, verify
-from kernels.rejection import PLACEHOLDER_TOKEN_ID
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +128,8 @@ class LLMEngine:
         request = RequestOutput(request_id, prompt, list(prompt_token_ids), [],
                                 metrics=RequestMetrics(arrival_time_s or time.monotonic()))
         k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        seqs = []
-        for i in range(params.n):
-            completion = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
-            request.outputs.append(completion)
-            seed = (params.seed + i) % (MAX_SEED + 1) if params.seed is not None else int.from_bytes(os.urandom(7), "little")
-            state = SequenceOutputState(self.target.tokenizer, params, self.target.eos_token_id, prompt_token_ids)
-            gen = None if params.greedy else make_generator(seed)
-            seqs.append(Sequence(f"{request_id}-{i}", i, request, params, state, gen, k, completion))
+        seqs = [Sequence.sample_of(request, i, params, k, self.target.tokenizer, self.target.eos_token_id)
+                for i in range(params.n)]
         self._requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -371,33 +360,9 @@ class LLMEngine:
             if seq.seq_id in self._drafting_ahead and num_acc[b] == len(draft_lists[b]):
                 self.controller.note_drafted_ahead(seq.seq_id, num_acc[b])  # its next window may be ready
             own = logits[ends[b] - num_logits[b]: ends[b]] if seq.completion.logprobs is not None else None
-            self._emit(seq, emitted, own, len(draft_lists[b]), num_acc[b])
-
-    def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None, num_drafted: int,
-              num_accepted: int) -> None:
-        assert PLACEHOLDER_TOKEN_ID not in tokens
-        result = seq.state.append(tokens)
-        kept = result.num_kept
-        comp = seq.completion
-        comp.new_token_ids = tokens[:kept]
-        comp.token_ids = list(seq.state.token_ids)
-        comp.new_text = result.text_delta
-        comp.text = seq.state.text
-        if comp.logprobs is not None and kept:
-            tok_lp, top_ids, top_lps = top_logprobs(logit_rows[:kept], torch.tensor(tokens[:kept],
-                                                    device=logit_rows.device), seq.params.logprobs)
-            tok_lp, top_ids, top_lps = tok_lp.cpu(), top_ids.cpu(), top_lps.cpu()  # small, explicit
-            for i in range(kept):
-                top = dict(zip(top_ids[i].tolist(), top_lps[i].tolist()))
-                comp.logprobs.append(TokenLogprob(tokens[i], float(tok_lp[i]), top))
-        comp.spec_stats.record(num_drafted, min(num_accepted, kept))
-        comp.spec_stats.num_emitted_tokens += kept
-        self.stats.record(num_drafted, min(num_accepted, kept))
-        self.stats.num_emitted_tokens += kept
-        if kept and seq.request.metrics.first_token_time_s is None:
-            seq.request.metrics.first_token_time_s = time.monotonic()
-        if result.finish_reason is not None:
-            self._finish(seq, result.finish_reason, seq.state.stop_reason)
+            reason = emit_tokens(seq, emitted, own, len(draft_lists[b]), num_acc[b], self.stats)
+            if reason is not None:
+                self._finish(seq, reason, seq.state.stop_reason)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Free everything the sequence holds, at once (KV slot, drafter state)."""

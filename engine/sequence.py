@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 
 import torch
 
 from engine.detokenizer import SequenceOutputState
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling import make_generator
+from engine.sampling_params import MAX_SEED, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -43,7 +45,20 @@ class Sequence:
     slot: int | None = None
     num_cached: int = 0
     num_draft_seen: int = 0
-    logprob_rows: list = field(default_factory=list)
+
+    @classmethod
+    def sample_of(cls, request: RequestOutput, index: int, params: SamplingParams, k: int, tokenizer,
+                  eos_token_id: int | None) -> Sequence:
+        """Sample ``index`` of ``request`` (``params.n`` in all), its completion appended to the
+        request's outputs. A seeded request's samples use ``seed + index`` (vLLM's rule for ``n``
+        seeded samples), others a random seed; greedy ones need no generator."""
+        completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
+        request.outputs.append(completion)
+        seed = (params.seed + index) % (MAX_SEED + 1) if params.seed is not None \
+            else int.from_bytes(os.urandom(7), "little")
+        state = SequenceOutputState(tokenizer, params, eos_token_id, request.prompt_token_ids)
+        gen = None if params.greedy else make_generator(seed)
+        return cls(f"{request.request_id}-{index}", index, request, params, state, gen, k, completion)
 
     @property
     def request_id(self) -> str:
