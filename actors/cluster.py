@@ -9,9 +9,11 @@ the network: every Ray component of it binds 127.0.0.1, except one that Ray 2.60
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +79,46 @@ def init_ray(namespace: str, env_vars: dict, address: str | None = None) -> bool
     # address="local", not None: with None, ray.init joins the cluster named in
     # <ray temp dir>/ray_current_cluster (written by `ray start` and ray.cluster_utils, left behind
     # when they die), and a stale or foreign one there made the embedded start fail.
-    ray.init(address=RAY_LOCAL_ADDRESS, num_cpus=os.cpu_count(), include_dashboard=False, namespace=namespace,
-             runtime_env=runtime_env, log_to_driver=True, _node_ip_address=LOOPBACK)
+    with _own_process_group():
+        ray.init(address=RAY_LOCAL_ADDRESS, num_cpus=os.cpu_count(), include_dashboard=False, namespace=namespace,
+                 runtime_env=runtime_env, log_to_driver=True, _node_ip_address=LOOPBACK)
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:  # a Ray upgrade changed the rule above: say so rather than listen widely
         log.warning("the embedded Ray node address is %s, not %s: its ports may be reachable from the network",
                     node_ip, LOOPBACK)
     return True
+
+
+@contextlib.contextmanager
+def _own_process_group() -> Iterator[None]:
+    """Start what runs inside in a process group of its own, then return to the caller's group.
+
+    Ray's processes (GCS, raylet, and through the raylet every worker: Serve's controller, proxy
+    and replicas) inherit the process group of the process that starts them. In the caller's group
+    a signal to the whole group (``kill -TERM -PGID``, a shell's ``kill %1``, a supervisor that
+    stops a process group, as ``benchmarks/serving/sweep.py`` does) would kill them at the same
+    instant as this process, before its drain could end the streams: measured, a 41 s shutdown
+    with the in-flight streams cut. In a group of their own they get only what this process sends
+    them when it shuts Ray down (SIGINT from a terminal already spares them: Ray blocks it in its
+    children). A process that leads its group cannot leave it; then nothing changes and a warning
+    says to signal this process alone.
+    """
+    original = os.getpgrp()
+    if original == os.getpid():
+        log.warning("this process leads its process group, which Ray's processes will share: stop it with a "
+                    "signal to its pid, not to the group (a group SIGTERM kills Ray before streams drain)")
+        yield
+        return
+    os.setpgid(0, 0)
+    try:
+        yield
+    finally:
+        try:
+            os.setpgid(0, original)
+        except OSError as e:
+            # The caller's group is gone: whoever started us exited meanwhile (a Ctrl-C during
+            # start-up reaches only the caller's group). Stop rather than run on unreachable.
+            raise RuntimeError(f"the process group that started this server ({original}) is gone: {e}") from e
 
 
 class DrainSignal:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, load_prompts, machine, print_table, save_json  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.serving.server_process import free_port  # noqa: E402
 
 
 async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -75,7 +69,7 @@ def run_phase(name: str, endpoint: str | None, args, prompts: list[str]) -> dict
     from observability import TracingConfig
 
     config = load_yaml(args.config, serve_app.ServeConfig)
-    config.http = HttpConfig(port=_free_port())
+    config.http = HttpConfig(port=free_port())
     config.tracing = TracingConfig(endpoint=endpoint) if endpoint else None
     url = serve_app.start(config, base=ROOT)
     try:
@@ -98,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [r["prompt"] for r in load_prompts(args.num_requests)]
     receiver = OtlpReceiver().start()
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     rows = [run_phase("off", None, args, prompts),
             run_phase("on (live receiver)", receiver.endpoint, args, prompts),
             run_phase("on (collector down)", dead, args, prompts)]

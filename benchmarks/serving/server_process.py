@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -18,9 +20,19 @@ import yaml
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launcher_command(shell_cmd: str) -> list[str]:
+    """``shell_cmd`` under a shell that stays its parent, as make runs a recipe: started with
+    ``start_new_session``, the shell leads the process group and the command is a member (a bare
+    ``sh -c`` would exec a simple command, which would then lead the group itself). ``trap : TERM``
+    lets the shell outlive a SIGTERM to the group and wait for the command, whose exit status it
+    returns."""
+    return ["sh", "-c", 'trap : TERM; eval "$1"; exit $?', "sh", shell_cmd]
 
 
 def embedded_config(port: int) -> dict:
@@ -76,19 +88,30 @@ def process_tree(pid: int) -> list[psutil.Process]:
 
 @contextlib.contextmanager
 def serve_process(config: dict, path: Path, extra_args: tuple[str, ...] = (), start_timeout_s: float = 240,
-                  stop_with_sigterm: bool = False,
-                  env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+                  stop_with_sigterm: bool = False, env: dict | None = None,
+                  launcher: bool = False) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     """Write ``config`` to ``path``, start the server on it (environment ``env``, default this
     process's) and wait until healthy.
 
-    Yields (process, base URL, log path); on exit the process is stopped (SIGTERM first with
-    ``stop_with_sigterm``, then kill) if it still runs.
+    With ``launcher`` the server runs under a shell in a new session, as ``make serve`` runs it
+    under make: the shell leads the process group, the server is a member, and the yielded
+    process is the shell (its exit code is the server's; a SIGTERM to the group reaches both, the
+    shell waits for the server). Yields (process, base URL, log path); on exit the process (the
+    whole group with ``launcher``) is stopped (SIGTERM first with ``stop_with_sigterm``, then
+    SIGKILL) if it still runs.
     """
     path.write_text(yaml.safe_dump(config))
     log_path = path.with_suffix(".log")
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "serve_app.py", "--config", str(path), *extra_args], stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
+    cmd = [sys.executable, "serve_app.py", "--config", str(path), *extra_args]
+    if launcher:
+        cmd = launcher_command(shlex.join(cmd))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=launcher)
+
+    def stop(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig) if launcher else proc.send_signal(sig)
+
     url = f"http://127.0.0.1:{config['http']['port']}"
     try:
         wait_status(url, 200, timeout_s=start_timeout_s, proc=proc, log_path=log_path)
@@ -96,10 +119,10 @@ def serve_process(config: dict, path: Path, extra_args: tuple[str, ...] = (), st
     finally:
         if proc.poll() is None:
             if stop_with_sigterm:
-                proc.send_signal(signal.SIGTERM)
+                stop(signal.SIGTERM)
             try:
                 proc.wait(30 if stop_with_sigterm else 0.001)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                stop(signal.SIGKILL)
                 proc.wait(30)
         log.close()

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -41,6 +40,7 @@ from benchmarks.serving.acceptance import (
 )
 from benchmarks.serving.loadgen import LoadShape
 from benchmarks.serving.runner import BenchmarkRun
+from benchmarks.serving.server_process import free_port, launcher_command
 
 POLL_INTERVAL_S = 0.1
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -104,23 +104,21 @@ def load_server_configs(path: str | Path, names: Sequence[str] | None = None) ->
     return [configs[n] for n in names]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the process group started for ``proc``; SIGKILL it after ``grace_s`` seconds."""
+    """SIGTERM the process group started for ``proc`` and wait until every process in it has
+    exited (not only ``proc``: the server shuts down after its launcher shell may have); SIGKILL
+    what is left after ``grace_s`` seconds."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the shell, or the group would not look empty
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(POLL_INTERVAL_S)
 
 
 async def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -154,13 +152,12 @@ async def serving(config: ServerConfig, log_dir: Path) -> AsyncIterator[str]:
     log_path = log_dir / f"{config.name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            config.start_cmd.replace("{port}", port),
-            shell=True,
+            launcher_command(config.start_cmd.replace("{port}", port)),
             cwd=config.cwd,
             env={**os.environ, **config.env},
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: the shell and all its children die together
+            start_new_session=True,  # own process group, led by the shell: the server's signals reach it
         )
     try:
         try:
