@@ -92,6 +92,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
             ProtocolError: 400 naming the parameter.
         """
         self.check_unsupported()
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer
+            raise ProtocolError("'stream_options' is only allowed with 'stream': true", "stream_options")
         with protocol_errors():
             for name in ("max_tokens", "temperature", "top_p", "n", "top_k", "seed", "stop_token_ids",
                          "num_speculative_tokens", "priority"):
@@ -178,6 +180,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         self.check_ranges()
         if not self.messages:
             raise ProtocolError("'messages' must not be empty", "messages")
+        for i, message in enumerate(self.messages):  # only an assistant turn may omit its content
+            if message.content is None and message.role != "assistant":
+                raise ProtocolError(f"messages[{i}] ({message.role}) has no 'content'", "messages")
         with protocol_errors():
             check_range("top_logprobs", self.top_logprobs)
         if self.top_logprobs is not None and not self.logprobs:

@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from actors.openai_protocol import CompletionRequest, ProtocolError, decode_request
+from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
 from engine import SamplingParams
 from engine.request_ranges import RANGES, RequestError, check_prompt
 
@@ -89,3 +89,19 @@ def test_vllms_conveniences_for_stop_and_numbers():
     assert SamplingParams(stop="abc").stop == ["abc"]  # one string, not three characters
     assert SamplingParams(stop=None).stop == [] and SamplingParams(stop_token_ids=None).stop_token_ids == []
     assert SamplingParams(temperature=0).temperature == 0.0 and isinstance(SamplingParams(top_p=1).top_p, float)
+
+
+def test_stream_options_without_stream_and_a_message_without_content_are_400s():
+    body = {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}
+    with pytest.raises(ProtocolError, match="only allowed with 'stream': true") as e:
+        decode_request(msgspec.json.encode(body), CompletionRequest)
+    assert e.value.param == "stream_options"
+    assert decode_request(msgspec.json.encode({**body, "stream": True}), CompletionRequest).include_usage
+    for message in ({"role": "user"}, {"role": "user", "content": None}, {"role": "system", "content": None}):
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}
+        with pytest.raises(ProtocolError, match=r"messages\[1\] \(\w+\) has no 'content'") as e:
+            decode_request(msgspec.json.encode(chat), ChatCompletionRequest)
+        assert e.value.param == "messages"
+    # An assistant turn may carry no content (OpenAI: one that made tool calls).
+    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
+    assert len(decode_request(msgspec.json.encode(ok), ChatCompletionRequest).messages) == 2
