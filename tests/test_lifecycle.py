@@ -134,18 +134,27 @@ def test_request_past_request_timeout_gets_504_and_frees_its_kv(server):
 
 def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back(server):
     proc, url = server
-    out: list = []
-    stream = _stream_in_background(url, out)
+    # Each request starts only when the one before it runs, and the kill comes right after the
+    # stream's first event: the requests' request_timeout_s (6 s) then covers the failover attempt
+    # (~2 s: a resubmission waits that long for a replica), not a busy machine's queueing.
     plain: list = []
     request = threading.Thread(target=lambda: plain.append(
         httpx.post(url + "/v1/completions", json=LONG, timeout=60)), daemon=True)
     request.start()
+    deadline = time.monotonic() + 30
+    while engine_gauge(url, "num_requests_running") < 1:
+        assert time.monotonic() < deadline and request.is_alive(), "the plain request never ran"
+        time.sleep(0.05)
+    out: list = []
+    stream = _stream_in_background(url, out)
     _wait_first_event(out)
     verifier = _replicas(proc, "verifier")
     assert len(verifier) == 1
     verifier[0].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
     stream.join(30)
     request.join(30)
+    print(f"kill -> both requests answered: {time.monotonic() - killed:.1f} s")
     assert plain[0].status_code == 503 and plain[0].headers["retry-after"] == "5", plain[0].text
     assert plain[0].json()["error"]["type"] == "server_overloaded"
     _, status, events = out[-1]
