@@ -21,7 +21,7 @@ estimates cover the whole range and never go stale (speculation off included).
 Whether to draft at all is then checked against what happened (an explore/exploit check on
 realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size bucket (decoding
 sequences rounded to a power of two), the emitted tokens per second the controller's own
-pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedGoodput`). Once
+pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedCheck`). Once
 both are measured they decide on versus off in pure-decode steps (same hysteresis) whatever the
 model predicts (a step with a prefill chunk is the model's: its cost is mostly the chunk); the
 model still chooses what to draft when on. One explore step runs the other mode (off while on;
@@ -44,7 +44,7 @@ from typing import Literal
 import numpy as np
 
 from engine.spec_acceptance import AcceptanceEstimates, expected_tokens
-from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedGoodput
+from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedCheck
 
 SpeculativePolicy = Literal["adaptive", "fixed"]
 
@@ -133,8 +133,8 @@ class SpeculationController:
         # common mode best, so the rarer one (probes) may be biased; this corrects the comparison.
         self.calibration = {False: 1.0, True: 1.0}
         self._ready: dict[str, int] = {}  # windows probably drafted ahead, for the next plan only
-        self._goodput: dict[int, RealisedGoodput] = {}  # per batch-size bucket
-        self._since_explore = 0  # the controller's own steps since the last explore step
+        self.realised = RealisedCheck(s.hysteresis, s.explore_interval_steps, s.thin_margin, s.goodput_decay,
+                                      s.goodput_min_steps)
         self.last = Decision()
 
     # ------------------------------------------------------------------ decisions
@@ -183,7 +183,7 @@ class SpeculationController:
             # they do not separate out.
             pure_decode = num_base_tokens == len(caps) + len(fixed) and not num_prefills and not tpot \
                 and not self._ready
-            verdict = self._realised(len(caps) + len(fixed)) if pure_decode else None
+            verdict = self.realised.verdict(len(caps) + len(fixed), self._on) if pure_decode else None
             if verdict == (False, False) and not any(fixed.values()):
                 # Realised rates say off and no explore step is due: the model's choice would be
                 # overruled, so it is not computed (a step of plain decoding pays no optimisation).
@@ -229,8 +229,8 @@ class SpeculationController:
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
                   fixed: dict[str, int], catchup: dict[str, float], glob: np.ndarray,
                   tpot: dict[str, tuple[float, float]], verdict: tuple[bool | None, bool] | None) -> Decision:
-        """The model's best draft lengths, overruled on or off by ``verdict`` (:meth:`_realised`;
-        None: not a pure-decode step, the model decides)."""
+        """The model's best draft lengths, overruled on or off by ``verdict``
+        (:meth:`RealisedCheck.verdict`; None: not a pure-decode step, the model decides)."""
         ids = list(caps)
         gains = self._gains(ids, caps, glob)  # (B, max_k), zero beyond each cap
         ready = self._ready_probability(ids, glob)
@@ -280,34 +280,6 @@ class SpeculationController:
         for row in rows:
             k[ids[row]] += 1
         return Decision(k, reason, float(expected[best]), float(step_s[best]))
-
-    def _realised(self, num_decodes: int) -> tuple[bool | None, bool] | None:
-        """The explore/exploit check on realised goodput, once per pure-decode step: ``(on,
-        explore)``, ``on`` the realised rates' verdict with hysteresis (None until both modes are
-        measured) and ``explore`` whether this step runs the other mode; None when nothing was
-        realised yet (the model decides alone)."""
-        goodput = self._bucket(num_decodes)
-        if not goodput.steps.any():
-            return None
-        rates = goodput.rates()
-        on = None
-        if rates is not None:
-            off, drafting = rates
-            h = self.settings.hysteresis
-            on = not off > drafting * (1 + h) if self._on else drafting > off * (1 + h)
-        thin = rates is None or abs(rates[1] / rates[0] - 1) < self.settings.thin_margin
-        self._since_explore += 1
-        explore = self._since_explore >= self.settings.explore_interval_steps * (1 if thin else 4)
-        if explore:
-            self._since_explore = 0
-        return on, explore
-
-    def _bucket(self, num_decodes: int) -> RealisedGoodput:
-        """The realised goodput of steps with about this many decoding sequences (power of two)."""
-        key = 1 << round(np.log2(max(num_decodes, 1)))
-        if key not in self._goodput:
-            self._goodput[key] = RealisedGoodput(self.settings.goodput_decay, self.settings.goodput_min_steps)
-        return self._goodput[key]
 
     def _within_tpot(self, ids: list[str], gains: np.ndarray, order: np.ndarray, step_s: np.ndarray,
                      tpot: dict[str, tuple[float, float]]) -> np.ndarray:
@@ -407,7 +379,7 @@ class SpeculationController:
         not its policy."""
         if self.policy != "adaptive" or self.last.reason not in ("adaptive", "explore") or step_s <= 0:
             return
-        self._bucket(len(self.last.k)).observe(any(self.last.k.values()), num_emitted, step_s)
+        self.realised.observe(len(self.last.k), any(self.last.k.values()), num_emitted, step_s)
 
     def release(self, seq_id: str) -> None:
         """Forget a finished sequence's estimates."""

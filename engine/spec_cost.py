@@ -164,6 +164,60 @@ class RealisedGoodput:
         return self.tokens / self.seconds
 
 
+class RealisedCheck:
+    """The explore/exploit check on realised goodput (an epsilon-greedy two-armed bandit over
+    drafting and not): per batch-size bucket (decoding sequences rounded to a power of two) a
+    :class:`RealisedGoodput` of pure-decode steps, and the cadence of explore steps that run the
+    other mode so its figure stays fresh.
+
+    Args:
+        hysteresis: relative rate gain needed to switch on or off.
+        explore_interval_steps: an explore step this often while the margin is thin or unmeasured,
+            4x as rarely otherwise.
+        thin_margin: realised rates closer than this (relative) count as a thin margin.
+        decay, min_steps: of each bucket's :class:`RealisedGoodput`.
+    """
+
+    def __init__(self, hysteresis: float, explore_interval_steps: int, thin_margin: float, decay: float,
+                 min_steps: float) -> None:
+        self.hysteresis, self.explore_interval_steps, self.thin_margin = hysteresis, explore_interval_steps, thin_margin
+        self.decay, self.min_steps = decay, min_steps
+        self._buckets: dict[int, RealisedGoodput] = {}
+        self._since_explore = 0  # checked steps since the last explore step
+
+    def bucket(self, num_decodes: int) -> RealisedGoodput:
+        """The realised goodput of steps with about this many decoding sequences."""
+        key = 1 << round(np.log2(max(num_decodes, 1)))
+        if key not in self._buckets:
+            self._buckets[key] = RealisedGoodput(self.decay, self.min_steps)
+        return self._buckets[key]
+
+    def verdict(self, num_decodes: int, on: bool) -> tuple[bool | None, bool] | None:
+        """Once per pure-decode step: ``(on, explore)``, ``on`` the realised rates' verdict with
+        hysteresis from the current state ``on`` (None until both modes are measured) and
+        ``explore`` whether this step runs the other mode; None when nothing was realised yet
+        (the cost model decides alone)."""
+        goodput = self.bucket(num_decodes)
+        if not goodput.steps.any():
+            return None
+        rates = goodput.rates()
+        verdict = None
+        if rates is not None:
+            off, drafting = rates
+            h = self.hysteresis
+            verdict = not off > drafting * (1 + h) if on else drafting > off * (1 + h)
+        thin = rates is None or abs(rates[1] / rates[0] - 1) < self.thin_margin
+        self._since_explore += 1
+        explore = self._since_explore >= self.explore_interval_steps * (1 if thin else 4)
+        if explore:
+            self._since_explore = 0
+        return verdict, explore
+
+    def observe(self, num_decodes: int, drafting: bool, num_emitted: int, step_s: float) -> None:
+        """A pure-decode step of ``num_decodes`` sequences, drafting or not."""
+        self.bucket(num_decodes).observe(drafting, num_emitted, step_s)
+
+
 class ActivationMeter:
     """An :class:`engine.model.moe.ExpertExecutor` wrapper counting distinct (layer, expert) pairs.
 
