@@ -15,7 +15,9 @@ Step time is learned from the steps the engine actually runs, never from constan
   shows up as a smaller ``p`` than the uniform ``top_k / E``. This is the MoE effect on verify
   cost: more verified tokens touch more experts (Cascade; MoE-Spec), until all are active.
 - :class:`RealisedGoodput`: what the models predict, checked against what happened: emitted
-  tokens per second of the steps actually run, drafting and not, over the same recent stretch.
+  tokens per second of the steps actually run, drafting and not, over the same recent stretch;
+  :class:`RealisedCheck` keeps one per batch-size bucket and turns them into the on/off verdict
+  and the cadence of explore steps.
 """
 
 from __future__ import annotations
