@@ -137,12 +137,11 @@ class CompletionRequest(_Sampling, kw_only=True):
             if len(self.prompt) != 1:
                 raise ProtocolError("batched prompts are not supported: send one request per prompt", "prompt")
             self.prompt = self.prompt[0]
-            if not isinstance(self.prompt, (str, list)):  # e.g. [null] or [{}]
-                raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
-        if not self.prompt:
-            raise ProtocolError("'prompt' must not be empty", "prompt")
+        # The type before emptiness: a one-element list's element may be anything ([null], [{}]).
         if not isinstance(self.prompt, str) and not is_token_ids(self.prompt):
             raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
+        if not self.prompt:
+            raise ProtocolError("'prompt' must not be empty", "prompt")
 
 
 def _looks_like_token_ids(value: list) -> bool:

@@ -67,9 +67,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         # Paths may come as pathlib objects; every other field must have its annotated type.
-        self.model = os.fspath(self.model) if isinstance(self.model, os.PathLike) else self.model
-        if isinstance(self.draft_model, os.PathLike):
-            self.draft_model = os.fspath(self.draft_model)
+        for name in ("model", "draft_model"):
+            if isinstance(path := getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(path))
         check_field_types(self, lambda name, message: ConfigError(f"{name}: {message}"))
         resolve_dtype(self.dtype)  # a bad name fails here, not in every replica that loads the model
         if self.speculative_method is None and self.draft_model is not None:

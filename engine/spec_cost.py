@@ -48,8 +48,8 @@ class OnlineLinearCost:
         self.forgetting, self.ridge, self.huber, self.warmup = forgetting, ridge, huber, warmup
         self.relative_floor = relative_floor
         self.num_observations = 0
-        self.theta = np.zeros(num_features)
-        # theta as Python floats: a step's scalar predictions without numpy's per-call overhead.
+        # The coefficients as Python floats: a step's scalar predictions without numpy's per-call
+        # overhead (``theta`` gives them as an array).
         self._coef = [0.0] * num_features
         self.residual_scale_s = 0.0  # EW mean absolute residual of the (weighted) fit, seconds
 
@@ -71,8 +71,12 @@ class OnlineLinearCost:
         self.xtx = self.forgetting * self.xtx + w * np.outer(x, x)
         self.xty = self.forgetting * self.xty + w * x * seconds
         self.num_observations += 1
-        self.theta = self._solve()
-        self._coef = self.theta.tolist()
+        self._coef = self._solve().tolist()
+
+    @property
+    def theta(self) -> np.ndarray:
+        """``(num_features,)`` float64 fitted coefficients, all >= 0."""
+        return np.asarray(self._coef)
 
     def _solve(self) -> np.ndarray:
         n = len(self.xty)
