@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.batch import ForwardBatch, consecutive_range
+from engine.model.batch import ForwardBatch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,12 +77,15 @@ class AttentionPlan:
             prefilled from position 0: queries and keys are the same positions, padding queries
             discarded) or every query sees every key (decoding sequences that all have ``max_kv``
             tokens).
-        slot_rows: a ``slice`` when the batch's slots are a range (the cache rows are then a view,
-            not a gathered copy), else the ``(num_seqs,)`` slot tensor.
-        slot_order: when the slots are a range out of order (sequences that joined a running batch
-            at freed slots), ``(order, rows)``: ``(num_seqs,)`` int64 batch index of each cache row
-            of the range and cache row of each batch sequence; attention then runs in cache-row
-            order (queries and ``mask`` permuted, outputs put back) over the view. Else None.
+        slot_rows: a ``slice`` of cache rows when the batch's slots lie in a span at most twice as
+            long as the batch (the cache rows are then a view, not a gathered copy in every
+            layer), else the ``(num_seqs,)`` slot tensor.
+        slot_order: when the slots are such a span but not a range in batch order (sequences that
+            joined a running batch at freed slots, others that left gaps), ``(span, rows)``: the
+            span's length and the ``(num_seqs,)`` int64 cache row of each batch sequence within it;
+            attention then runs over every row of the span (queries and ``mask`` scattered to
+            their rows, gap rows see zero queries and every key, outputs gathered back), which
+            costs less than copying the sequences' keys and values. Else None.
         max_q, max_kv: longest new-token run and longest sequence after this pass.
         uniform: every sequence appends ``max_q`` tokens (decoding, or verifying equal drafts): the
             queries are a view of the flat tokens, not a padded copy.
@@ -95,7 +98,7 @@ class AttentionPlan:
     max_q: int
     max_kv: int
     uniform: bool
-    slot_order: tuple[torch.Tensor, torch.Tensor] | None = None
+    slot_order: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -165,19 +168,23 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> At
         # are seen only by its padding queries, whose rows are discarded.
         return AttentionPlan(token_slots, None, True, slot_rows, max_q, max_kv, uniform, order)
     mask = _mask(batch, max_q, max_kv, uniform, sliding_window)
-    return AttentionPlan(token_slots, mask if order is None else mask[order[0]], False, slot_rows,
-                         max_q, max_kv, uniform, order)
+    if order is not None:  # gap rows may see every key (no row without one: no NaN), discarded
+        span_mask = mask.new_ones(order[0], *mask.shape[1:])
+        span_mask[order[1]] = mask
+        mask = span_mask
+    return AttentionPlan(token_slots, mask, False, slot_rows, max_q, max_kv, uniform, order)
 
 
-def _slot_rows(batch: ForwardBatch) -> tuple[slice | torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def _slot_rows(batch: ForwardBatch) -> tuple[slice | torch.Tensor, tuple[int, torch.Tensor] | None]:
     """:attr:`AttentionPlan.slot_rows` and ``slot_order`` of ``batch`` (decided on the host)."""
     if batch.slot_range is not None:
         return slice(*batch.slot_range), None
-    rng = consecutive_range(sorted(batch.slot_ids)) if batch.slot_ids is not None else None
-    if rng is None:
+    if batch.slot_ids is None:
         return batch.slots, None
-    rows = batch.slots - rng[0]  # device ops on the slot tensor: no host copy
-    return slice(*rng), (torch.argsort(rows), rows)
+    lo, hi = min(batch.slot_ids), max(batch.slot_ids) + 1
+    if hi - lo > 2 * batch.num_seqs:  # mostly gaps: attending over them would cost more than a copy
+        return batch.slots, None
+    return slice(lo, hi), (hi - lo, batch.slots - lo)  # device ops on the slot tensor: no host copy
 
 
 def _mask(batch: ForwardBatch, max_q: int, max_kv: int, uniform: bool, sliding_window: int | None) -> torch.Tensor:
@@ -226,8 +233,11 @@ def attention(
     else:
         q_pad = q.new_zeros(batch.num_seqs, plan.max_q, q.shape[1], q.shape[2])
         q_pad[batch.token_seq, batch.token_qidx] = q
-    if plan.slot_order is not None:
-        q_pad = q_pad[plan.slot_order[0]]  # queries in cache-row order
+    if plan.slot_order is not None:  # queries at their cache rows of the span
+        span, rows = plan.slot_order
+        q_span = q_pad.new_zeros(span, *q_pad.shape[1:])
+        q_span[rows] = q_pad
+        q_pad = q_span
     keys = k_cache[plan.slot_rows, :, :plan.max_kv]
     values = v_cache[plan.slot_rows, :, :plan.max_kv]
     out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=plan.mask,

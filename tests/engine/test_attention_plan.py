@@ -1,5 +1,5 @@
 """The attention plan's shortcuts (no mask, SDPA's causal mask, queries as a view, cache rows as a
-view also when the slots are a range out of order) change nothing: each batch shape gives what the
+view also when the slots are a range out of order or a span with gaps) change nothing: each batch shape gives what the
 general path (padded queries, explicit position mask, gathered cache rows) gives."""
 
 import dataclasses
@@ -25,6 +25,13 @@ CASES = {  # name: (slots, new-token counts, start positions, sliding window, ex
     "decode_window_covers_all": ([0, 1], [1, 1], [9, 9], 16, "no_mask"),
     "decode_ragged_slots_out_of_order": ([2, 0, 1], [1, 1, 1], [4, 11, 7], None, "mask"),
     "verify_ragged_slots_out_of_order": ([1, 2, 0], [3, 2, 1], [5, 8, 2], None, "mask"),
+    # Slots with gaps (sequences that finished left their rows): a span of rows, or a gather.
+    "decode_equal_lengths_slots_with_a_gap": ([3, 1, 4], [1, 1, 1], [9, 9, 9], None, "no_mask"),
+    "decode_ragged_slots_with_gaps": ([5, 0, 2], [1, 1, 1], [4, 11, 7], None, "mask"),
+    "verify_ragged_slots_with_gaps": ([4, 1], [3, 2], [5, 8], None, "mask"),
+    "prefill_and_verify_slots_with_gaps": ([0, 3, 5], [5, 2, 3], [0, 7, 4], None, "mask"),
+    "prefill_from_zero_slots_with_gaps": ([2, 0], [6, 3], [0, 0], None, "causal"),
+    "decode_slots_mostly_gaps": ([5, 0], [1, 1], [4, 11], None, "mask"),  # span 6 > 2 x 2: gathered
 }
 
 
@@ -35,14 +42,14 @@ def test_plan_shortcuts_equal_the_general_masked_path(name):
     batch = ForwardBatch.build(slots, [[1] * n for n in counts], starts, logits="all")
     n = sum(counts)
     q, k, v = (torch.randn(n, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
-    cache = torch.randn(2, 3, KV_HEADS, MAX_LEN, DIM, generator=g)
+    cache = torch.randn(2, 6, KV_HEADS, MAX_LEN, DIM, generator=g)
 
     plan = plan_attention(batch, window)
     kind = "causal" if plan.causal else "no_mask" if plan.mask is None else "mask"
     assert kind == shortcut
     assert plan.uniform == (min(counts) == max(counts))
-    # Cache rows a view whenever the slots are a range, in order or not.
-    assert isinstance(plan.slot_rows, slice) == (sorted(slots) == list(range(min(slots), min(slots) + len(slots))))
+    # Cache rows a view whenever the slots span at most twice as many rows as sequences.
+    assert isinstance(plan.slot_rows, slice) == (max(slots) - min(slots) + 1 <= 2 * len(slots))
     assert (plan.slot_order is not None) == (isinstance(plan.slot_rows, slice) and batch.slot_range is None)
     general = dataclasses.replace(plan, uniform=False, causal=False, slot_rows=batch.slots, slot_order=None,
                                   mask=_mask(batch, plan.max_q, plan.max_kv, False, window))
