@@ -23,8 +23,8 @@ realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size buck
 sequences rounded to a power of two), the emitted tokens per second the controller's own
 pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedCheck`). Once
 both are measured they decide on versus off in pure-decode steps (same hysteresis) whatever the
-model predicts (a step with a prefill chunk is the model's: its cost is mostly the chunk); the
-model still chooses what to draft when on. One explore step runs the other mode (off while on;
+model predicts, TPOT budgets or not (a step with a prefill chunk follows its decodes' bucket only
+when that says off, and never explores); the model still chooses what to draft when on. One explore step runs the other mode (off while on;
 the model's best drafting while off) every ``explore_interval_steps`` while the realised margin
 is thin (< ``thin_margin``) or unmeasured, a quarter as often otherwise, so the losing mode's
 figure stays fresh. A drafter's catch-up on a prompt counts in the drafting figure: for short
@@ -179,11 +179,7 @@ class SpeculationController:
             self._num_probes += 1
             decision = Decision({sid: min(c, k) for sid, c in caps.items()}, "probe")
         else:
-            # Realised rates are of pure-decode steps; budgets and windows drafted ahead are costs
-            # they do not separate out.
-            pure_decode = num_base_tokens == len(caps) + len(fixed) and not num_prefills and not tpot \
-                and not self._ready
-            verdict = self.realised.verdict(len(caps) + len(fixed), self._on) if pure_decode else None
+            verdict = self._verdict(len(caps) + len(fixed), num_base_tokens, num_prefills)
             if verdict == (False, False) and not any(fixed.values()):
                 # Realised rates say off and no explore step is due: the model's choice would be
                 # overruled, so it is not computed (a step of plain decoding pays no optimisation).
@@ -200,6 +196,19 @@ class SpeculationController:
         self._ready.clear()  # a window drafted ahead is good for the next step only
         self.last = decision
         return decision
+
+    def _verdict(self, num_decodes: int, num_base_tokens: int, num_prefills: int) -> tuple[bool | None, bool] | None:
+        """The realised check's say in this step (:meth:`RealisedCheck.verdict`); None: the model
+        decides alone. Realised rates are of pure-decode steps, which also run its explore steps.
+        A step with a prefill chunk follows its decodes' bucket when that says off: drafting there
+        costs what it costs in decode steps, and it desynchronises the batch (sequences finish at
+        different steps, so later prompts are admitted one by one into more mixed steps instead
+        of together). A window drafted ahead is a cost the rates do not separate out."""
+        if self._ready:
+            return None
+        if num_base_tokens == num_decodes and not num_prefills:
+            return self.realised.verdict(num_decodes, self._on)
+        return (False, False) if self.realised.standing(num_decodes, self._on) is False else None
 
     def _warmup_k(self, caps: dict[str, int]) -> dict[str, int]:
         """Cycle k through ``max, 1, max / 2, 0``: on odd steps every sequence alike, on even steps
@@ -271,8 +280,10 @@ class SpeculationController:
         reason = "adaptive"
         if best_on and verdict is not None:
             on, explore = verdict
-            if on is not None:  # measured: the realised rates decide on or off
-                best = (best or best_on) if on else 0
+            if on is False:  # measured: the realised rates decide on or off
+                best = 0
+            elif on and not best and np.isfinite(rate[best_on]):  # not past a TPOT budget
+                best = best_on
             if explore:  # the other mode, to keep its rate fresh
                 best, reason = (0 if best else best_on), "explore"
         rows = order[:best] // self.max_k

@@ -198,26 +198,32 @@ class RealisedCheck:
             self._buckets[key] = RealisedGoodput(self.decay, self.min_steps)
         return self._buckets[key]
 
+    def standing(self, num_decodes: int, on: bool) -> bool | None:
+        """The realised rates' verdict on drafting for steps of about ``num_decodes`` sequences,
+        with hysteresis from the current state ``on``; None until both modes are measured. No
+        side effects: a step with a prefill chunk asks this (it is not a pure-decode step, so it
+        neither explores nor counts toward the explore cadence)."""
+        rates = self.bucket(num_decodes).rates()
+        if rates is None:
+            return None
+        off, drafting = rates
+        h = self.hysteresis
+        return bool(not off > drafting * (1 + h) if on else drafting > off * (1 + h))
+
     def verdict(self, num_decodes: int, on: bool) -> tuple[bool | None, bool] | None:
-        """Once per pure-decode step: ``(on, explore)``, ``on`` the realised rates' verdict with
-        hysteresis from the current state ``on`` (None until both modes are measured) and
+        """Once per pure-decode step: ``(on, explore)``, ``on`` as :meth:`standing` and
         ``explore`` whether this step runs the other mode; None when nothing was realised yet
         (the cost model decides alone)."""
         goodput = self.bucket(num_decodes)
         if not goodput.steps.any():
             return None
         rates = goodput.rates()
-        verdict = None
-        if rates is not None:
-            off, drafting = rates
-            h = self.hysteresis
-            verdict = not off > drafting * (1 + h) if on else drafting > off * (1 + h)
         thin = rates is None or abs(rates[1] / rates[0] - 1) < self.thin_margin
         self._since_explore += 1
         explore = self._since_explore >= self.explore_interval_steps * (1 if thin else 4)
         if explore:
             self._since_explore = 0
-        return verdict, explore
+        return self.standing(num_decodes, on), explore
 
     def observe(self, num_decodes: int, drafting: bool, num_emitted: int, step_s: float) -> None:
         """A pure-decode step of ``num_decodes`` sequences, drafting or not."""
