@@ -257,6 +257,14 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     assert own and all(sum(d.k.values()) == 0 for d in own)
     explored = [d for d in slow[100:] if d.reason == "explore"]
     assert explored and all(sum(d.k.values()) > 0 for d in explored)  # drafting, to re-measure it
+    # Steps with TPOT budgets follow the verdict too, and so does a step with a prefill chunk
+    # (which neither explores nor advances the explore cadence).
+    cadence = ctl.realised._since_explore
+    mixed = ctl.plan(caps, len(caps) + 300, num_prefills=1)
+    assert mixed.reason == "adaptive" and sum(mixed.k.values()) == 0
+    assert ctl.realised._since_explore == cadence
+    budgeted = adaptive_plan(ctl, caps, tpot=dict.fromkeys(caps, (1.0, 0.5)))
+    assert sum(budgeted.k.values()) == 0
     # While the realised rates keep it off, only explore steps (and probes) run the model's
     # optimisation: a plain-decoding step pays none of it.
     optimised = []
@@ -271,3 +279,4 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     own = [d for d in fast[200:] if d.reason == "adaptive"]
     assert own and all(sum(d.k.values()) > 0 for d in own)
     assert any(sum(d.k.values()) == 0 for d in fast[200:] if d.reason == "explore")  # off, re-measured
+    assert sum(ctl.plan(caps, len(caps) + 300, num_prefills=1).k.values()) > 0  # on: the model decides
