@@ -217,13 +217,22 @@ class RealisedCheck:
         goodput = self.bucket(num_decodes)
         if not goodput.steps.any():
             return None
-        rates = goodput.rates()
-        thin = rates is None or abs(rates[1] / rates[0] - 1) < self.thin_margin
+        thin = self._thin(goodput.rates())
         self._since_explore += 1
         explore = self._since_explore >= self.explore_interval_steps * (1 if thin else 4)
         if explore:
             self._since_explore = 0
         return self.standing(num_decodes, on), explore
+
+    def settled_off(self, num_decodes: int, on: bool) -> bool:
+        """Whether the realised rates say off by more than the thin margin: probes of the cost
+        model are then moot (its choice is overruled), and explore steps alone keep the drafting
+        figure fresh."""
+        rates = self.bucket(num_decodes).rates()
+        return rates is not None and not self._thin(rates) and self.standing(num_decodes, on) is False
+
+    def _thin(self, rates: np.ndarray | None) -> bool:
+        return rates is None or abs(rates[1] / rates[0] - 1) < self.thin_margin
 
     def observe(self, num_decodes: int, drafting: bool, num_emitted: int, step_s: float) -> None:
         """A pure-decode step of ``num_decodes`` sequences, drafting or not."""

@@ -255,6 +255,7 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     slow = drive(200, 0.100)
     own = [d for d in slow[100:] if d.reason == "adaptive"]
     assert own and all(sum(d.k.values()) == 0 for d in own)
+    assert not any(d.reason == "probe" for d in slow[100:])  # settled off: explore steps suffice
     explored = [d for d in slow[100:] if d.reason == "explore"]
     assert explored and all(sum(d.k.values()) > 0 for d in explored)  # drafting, to re-measure it
     # Steps with TPOT budgets follow the verdict too, and so does a step with a prefill chunk
@@ -279,4 +280,5 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     own = [d for d in fast[200:] if d.reason == "adaptive"]
     assert own and all(sum(d.k.values()) > 0 for d in own)
     assert any(sum(d.k.values()) == 0 for d in fast[200:] if d.reason == "explore")  # off, re-measured
+    assert any(d.reason == "probe" for d in fast[200:])
     assert sum(ctl.plan(caps, len(caps) + 300, num_prefills=1).k.values()) > 0  # on: the model decides
