@@ -8,7 +8,9 @@ eq. 1 generalised to per-position acceptance ``a_{s,j}``), and the step time is
       + T_target(tokens = base + sum k_s, experts = distinct experts those tokens activate)
 
 with both parts learned online from measured steps (:mod:`engine.spec_cost`). The controller
-maximises ``(sum E_s + prefills) / T``. Gains ``prod_{j<=i} a_{s,j}`` fall with ``i``, so the best
+maximises ``sum E_s / (T - T_chunk)``: a prefill chunk in the step costs ``T_chunk`` whatever is
+drafted, so the decodes' drafting must pay for itself (judged over the whole step, the chunk's
+time diluted the drafts' cost and drafting won steps where plain decoding is faster). Gains ``prod_{j<=i} a_{s,j}`` fall with ``i``, so the best
 allocation for any total ``n`` of draft tokens takes the ``n`` largest gains; every ``n`` is scored
 at once (vectorised) and the best wins, ``n = 0`` included: then nothing is drafted at all.
 
@@ -25,8 +27,8 @@ realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size buck
 sequences rounded to a power of two), the emitted tokens per second the controller's own
 pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedCheck`). Once
 both are measured they decide on versus off in pure-decode steps (same hysteresis) whatever the
-model predicts, TPOT budgets or not (a step with a prefill chunk follows its decodes' bucket only
-when that says off, and never explores); the model still chooses what to draft when on. One explore step runs the other mode (off while on;
+model predicts, TPOT budgets or not (a step with a prefill chunk follows its decodes' bucket
+too, and never explores); the model still chooses what to draft when on. One explore step runs the other mode (off while on;
 the model's best drafting while off) every ``explore_interval_steps`` while the realised margin
 is thin (< ``thin_margin``) or unmeasured, a quarter as often otherwise, so the losing mode's
 figure stays fresh. A drafter's catch-up on a prompt counts in the drafting figure: for short
@@ -203,15 +205,17 @@ class SpeculationController:
     def _verdict(self, num_decodes: int, num_base_tokens: int, num_prefills: int) -> tuple[bool | None, bool] | None:
         """The realised check's say in this step (:meth:`RealisedCheck.verdict`); None: the model
         decides alone. Realised rates are of pure-decode steps, which also run its explore steps.
-        A step with a prefill chunk follows its decodes' bucket when that says off: drafting there
-        costs what it costs in decode steps, and it desynchronises the batch (sequences finish at
-        different steps, so later prompts are admitted one by one into more mixed steps instead
-        of together). A window drafted ahead is a cost the rates do not separate out."""
+        A step with a prefill chunk follows its decodes' bucket (its drafting is judged as theirs,
+        chunk aside) without exploring; drafting there when it does not pay also desynchronises
+        the batch (sequences finish at different steps, so later prompts are admitted one by one
+        into more mixed steps instead of together). A window drafted ahead is a cost the rates do
+        not separate out."""
         if self._ready:
             return None
         if num_base_tokens == num_decodes and not num_prefills:
             return self.realised.verdict(num_decodes, self._on)
-        return (False, False) if self.realised.standing(num_decodes, self._on) is False else None
+        on = self.realised.standing(num_decodes, self._on)
+        return None if on is None else (on, False)
 
     def _warmup_k(self, caps: dict[str, int]) -> dict[str, int]:
         """Cycle k through ``max, 1, max / 2, 0``: on odd steps every sequence alike, on even steps
@@ -268,9 +272,13 @@ class SpeculationController:
         caught = sum(catchup.get(sid, 0) for sid, k in fixed.items() if k) + np.concatenate(([0], np.cumsum(first)))
         draft_s = np.where(drafted > 0, self.draft_cost.predict(1.0, passes, drafted, caught), 0.0)
         target_s = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
-        step_s = np.maximum(draft_s + target_s, 1e-6)
-        step_s *= np.where(drafted > 0, self.calibration[True], self.calibration[False])
-        rate = expected / step_s
+        calibration = np.where(drafted > 0, self.calibration[True], self.calibration[False])
+        step_s = np.maximum(draft_s + target_s, 1e-6) * calibration
+        # A prefill chunk riding along costs the same whatever is drafted, and diluting the drafts'
+        # cost in its time made drafting look cheap: the decodes' drafting is judged by their own
+        # rate, step time less the chunk's (a chunk's token is emitted whatever is drafted).
+        chunk_s = self._chunk_s(num_base_tokens, len(ids) + len(fixed)) * calibration
+        rate = (expected - num_prefills) / np.maximum(step_s - chunk_s, 1e-6)
         if tpot:
             rate = np.where(self._within_tpot(ids, gains, order, step_s, tpot), rate, -np.inf)
         best = int(np.argmax(rate))
@@ -287,13 +295,23 @@ class SpeculationController:
                 best = 0
             elif on and not best and np.isfinite(rate[best_on]):  # not past a TPOT budget
                 best = best_on
-            if explore:  # the other mode, to keep its rate fresh
-                best, reason = (0 if best else best_on), "explore"
+            other = 0 if best else best_on
+            if explore and np.isfinite(rate[other]):  # the other mode, to keep its rate fresh,
+                best, reason = other, "explore"  # unless it would break a TPOT budget
         rows = order[:best] // self.max_k
         k = dict.fromkeys(ids, 0)
         for row in rows:
             k[ids[row]] += 1
         return Decision(k, reason, float(expected[best]), float(step_s[best]))
+
+    def _chunk_s(self, num_base_tokens: int, num_decodes: int) -> float:
+        """Predicted target seconds of a step's prefill chunk: the step's base tokens less its
+        decodes' (0 without a chunk)."""
+        if num_base_tokens <= num_decodes:
+            return 0.0
+        tokens = np.array([num_base_tokens, num_decodes], dtype=np.float64)
+        both = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
+        return max(0.0, float(both[0] - both[1]))
 
     def _within_tpot(self, ids: list[str], gains: np.ndarray, order: np.ndarray, step_s: np.ndarray,
                      tpot: dict[str, tuple[float, float]]) -> np.ndarray:

@@ -282,3 +282,18 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     assert any(sum(d.k.values()) == 0 for d in fast[200:] if d.reason == "explore")  # off, re-measured
     assert any(d.reason == "probe" for d in fast[200:])
     assert sum(ctl.plan(caps, len(caps) + 300, num_prefills=1).k.values()) > 0  # on: the model decides
+
+
+def test_a_prefill_chunk_does_not_make_drafting_look_cheap():
+    """Plain decoding is faster for these decodes (a draft pass costs 3 ms, acceptance 0.5: 690
+    tok/s plain against 625 at k = 1). A 500-token prefill chunk in the same step costs ~0.1 s
+    whatever is drafted; judged over the whole step, drafting would look worth it (64 against 47
+    tok/s), but the decodes' drafting must pay for itself: the step does not draft."""
+    sim = SyntheticStep(d_pass=0.003, c0=0.005, c_tok=0.0002)
+    caps = dict.fromkeys(("a", "b", "c", "d"), 4)
+    ctl = controller(max_k=4)
+    sim.run(ctl, caps, dict.fromkeys(caps, 0.5), np.random.default_rng(2), 200)
+    assert sum(adaptive_plan(ctl, caps).k.values()) == 0
+    mixed = ctl.plan(caps, len(caps) + 500, num_prefills=1)
+    assert mixed.reason == "adaptive" and sum(mixed.k.values()) == 0
+    assert mixed.predicted_step_s == pytest.approx(0.005 + 0.0002 * 504, rel=0.1)  # the whole step's time
