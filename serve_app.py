@@ -12,6 +12,7 @@ cluster joined or a loopback-only local Ray started (``actors/cluster.py``), and
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -50,6 +51,24 @@ def resolve_paths(config: ServeConfig, base: Path) -> None:
         if not (path / "config.json").is_file():
             raise StartupError(f"engine.{field}: checkpoint {str(path)!r} not found (no config.json there)")
         setattr(e, field, str(path))
+
+
+def check_expert_budget(config: ServeConfig) -> None:
+    """A byte budget of resident experts must hold one layer's held experts plus the pinned ones
+    (checked here, where the checkpoint's expert size is known, not in every expert actor)."""
+    x = config.experts
+    if x.max_resident_bytes is None:
+        return
+    from engine.config import load_model_config
+    from engine.loader import resolve_dtype
+    from engine.model.moe import expert_shapes
+
+    model = load_model_config(config.engine.model)
+    entry_bytes = sum(math.prod(s) for s in expert_shapes(model)) * resolve_dtype(config.engine.dtype).itemsize
+    entries = min(x.experts_per_actor, model.moe.num_experts) + x.pinned_hot_experts
+    if x.max_resident_bytes < entries * entry_bytes:
+        raise StartupError(f"experts.max_resident_bytes must be >= {entries * entry_bytes} (one layer's "
+                           f"{entries} held and pinned experts of {entry_bytes} bytes), got {x.max_resident_bytes}")
 
 
 def check_port(host: str, port: int) -> None:
@@ -102,6 +121,7 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
 
     address = cluster_address(address)
     resolve_paths(config, base or Path.cwd())
+    check_expert_budget(config)
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
         check_port(config.http.host, config.http.port)
         check_device(config.engine.device)
@@ -141,6 +161,7 @@ def build_app(args: dict):
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     try:
         resolve_paths(config, REPO_ROOT)
+        check_expert_budget(config)
     except StartupError as e:
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     return bind_app(config)

@@ -209,7 +209,11 @@ def report(runs: list[BenchmarkRun], plot_dir: Path | None) -> None:
     runs = sorted(runs, key=lambda r: (r.shape.request_rate_per_s, list(VARIANTS).index(r.label)))
     print(format_goodput_sweep(runs))
     if plot_dir:
-        print("wrote", plot_goodput(runs, plot_dir), plot_slo_attainment(runs, plot_dir))
+        written = [p for p in (plot_goodput(runs, plot_dir), plot_slo_attainment(runs, plot_dir)) if p is not None]
+        if written:
+            print("wrote", *written)
+        else:  # both figures are curves over offered load
+            print("no figures: they need runs at two or more rates")
 
 
 def ms(value_s: float | None) -> str:

@@ -176,6 +176,8 @@ async def _single(args: argparse.Namespace, options: RequestOptions, prompts, wa
 
 def _sweep_configs(args: argparse.Namespace) -> list[ServerConfig]:
     if args.config_file is None:
+        if args.configs:  # names without a file to find them in would silently mean --base-url
+            raise ValueError("--configs names configurations of a --config-file; none was given")
         return [ServerConfig(name="default", base_url=args.base_url)]
     names = [n.strip() for n in args.configs.split(",")] if args.configs else None
     return load_server_configs(args.config_file, names)

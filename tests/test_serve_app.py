@@ -32,15 +32,19 @@ def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
 
 
-def test_bad_dtype_and_missing_cuda_fail_before_ray_starts(tmp_path, capsys, monkeypatch):
-    """Both used to surface only as three failed verifier replicas and ~200 lines of tracebacks."""
+def test_bad_dtype_missing_cuda_and_a_small_expert_byte_budget_fail_before_ray_starts(tmp_path, capsys, monkeypatch):
+    """Each used to surface only as failed verifier replicas and hundreds of lines of tracebacks."""
     import actors.cluster
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(actors.cluster, "init_ray", lambda *_: pytest.fail("Ray started"))
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     for (good, bad), culprit in ((("dtype: float32", "dtype: fp64"), "dtype: 'fp64' is not one of"),
-                                 (("device: cpu", "device: cuda"), "engine.device: 'cuda', but torch sees no CUDA")):
+                                 (("device: cpu", "device: cuda"), "engine.device: 'cuda', but torch sees no CUDA"),
+                                 # 8 experts of 3 x 256 x 128 float32 weights: 8 x 393216 bytes at least
+                                 (("experts_per_actor: 8", "experts_per_actor: 8\n  max_resident_bytes: 1000"),
+                                  "experts.max_resident_bytes must be >= 3145728 (one layer's 8 held and pinned "
+                                  "experts of 393216 bytes), got 1000")):
         text = open("configs/embedded.yaml").read().replace(good, bad, 1)
         text = text.replace(" checkpoints/", f" {os.getcwd()}/checkpoints/")  # the file is elsewhere
         cfg = tmp_path / "bad.yaml"

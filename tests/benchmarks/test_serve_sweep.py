@@ -220,3 +220,11 @@ def test_cli_sweep_starts_stops_servers_and_compares(stub, tmp_path, capsys):
         assert (plots / f"{name}.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "Ratios vs baseline 'speculation_off'" in printed and "FAILED configuration broken" in printed
+
+
+def test_cli_sweep_names_without_a_config_file_are_an_error(capsys):
+    """``--configs`` alone used to run one 'default' configuration against --base-url, silently."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--sweep", "--configs", "speculation_off,adaptive_k8", "--base-url", "http://127.0.0.1:9"])
+    assert exc.value.code == 2
+    assert "--configs names configurations of a --config-file" in capsys.readouterr().err
