@@ -67,6 +67,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.spec_disable_batch_size < 0:
             raise ValueError("SchedulerConfig.spec_disable_batch_size must be >= 0")
+        for name, slo in self.slo_classes.items():
+            slo.check(f"slo_classes.{name}")
         if self.default_slo_class is not None and self.default_slo_class not in self.slo_classes:
             raise ValueError(f"SchedulerConfig.default_slo_class: {self.default_slo_class!r} is not one of "
                              f"slo_classes {sorted(self.slo_classes)}")

@@ -37,11 +37,14 @@ class SLOClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     tpot_ms: float | None = None
     itl_ms: float | None = None
 
-    def __post_init__(self) -> None:
+    def check(self, where: str) -> None:
+        """Raises ValueError naming ``where`` (e.g. ``slo_classes.interactive``) and the field
+        when a budget is not > 0 (called by the config holding the class, which knows its name:
+        msgspec's error path shows a dict key as ``[...]``)."""
         for name in ("ttft_ms", "tpot_ms", "itl_ms"):
             v = getattr(self, name)
             if v is not None and not v > 0:
-                raise ValueError(f"{name} must be > 0, got {v}")
+                raise ValueError(f"{where}.{name} must be > 0, got {v}")
 
 
 class DeadlineUnattainable(QueueFull):

@@ -85,11 +85,18 @@ def test_cluster_address_treats_local_as_start_here(monkeypatch, cli, env, expec
     assert cluster_address(cli) == expected
 
 
-def test_invalid_config_names_the_field(tmp_path, capsys):
+@pytest.mark.parametrize("section, culprit", [
+    ("experts:\n  experts_per_actor: 0\n", "experts_per_actor"),
+    # A class's name is in the message (msgspec's own path shows a dict key as [...]).
+    ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      fast: {ttft_ms: 100}\n      slow: {ttft_ms: -5}\n",
+     "slo_classes.slow.ttft_ms must be > 0, got -5.0 - at `$.engine.scheduler`"),
+])
+def test_invalid_config_names_the_field(tmp_path, capsys, section, culprit):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("model_name: m\nengine:\n  model: x\nexperts:\n  experts_per_actor: 0\n")
+    engine = "" if section.startswith("engine:") else "engine:\n  model: x\n"
+    cfg.write_text(f"model_name: m\n{engine}{section}")
     assert serve_app.main(["--config", str(cfg)]) == 2
-    assert "experts_per_actor" in capsys.readouterr().err
+    assert culprit in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, method, k, policy", [
