@@ -322,8 +322,8 @@ def test_an_itl_budget_caps_what_tpot_slack_allows(monkeypatch):
     # below the TPOT floor too (20 ms a token): the gap is what the client sees
     tight = policy.prefill_limit([decode("a", "tight")], 1)
     assert tight == prefill_token_limit([10.0], 1, 4096, linear) and 48 <= tight <= 49
-    with pytest.raises(ValueError, match="itl_ms"):
-        SLOClass(itl_ms=0.0)
+    with pytest.raises(ValueError, match=r"slo_classes\.tight\.itl_ms must be > 0"):
+        SchedulerConfig(slo_classes={"tight": SLOClass(itl_ms=0.0)})
 
 
 def test_slack_sized_chunks_in_the_engine():
