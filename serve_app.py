@@ -188,7 +188,7 @@ def stop(drain_timeout_s: float = SHUTDOWN_DRAIN_TIMEOUT_S) -> None:
     import ray
     from ray import serve
 
-    from actors.cluster import drain, kill_detached_actors
+    from actors.cluster import drain, kill_detached_actors, kill_leftover_ray_processes
 
     signal, owns_ray = _running.pop("signal", None), _running.pop("owns_ray", True)
     namespace = _running.pop("namespace", None)
@@ -203,6 +203,8 @@ def stop(drain_timeout_s: float = SHUTDOWN_DRAIN_TIMEOUT_S) -> None:
                 kill_detached_actors(namespace, SHARED_EXPERT_PREFIX)
     finally:
         ray.shutdown()
+        if owns_ray:
+            kill_leftover_ray_processes()
 
 
 def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfig:
@@ -295,10 +297,14 @@ def _sigterm(*_) -> None:
 
 
 def _stop_if_started() -> None:
-    import ray
+    """Shut down what a start interrupted at any point had started: Ray's processes too when the
+    interruption came inside ``ray.init`` (Ray then reports not initialized)."""
+    from actors.cluster import kill_leftover_ray_processes
 
-    if _running or ray.is_initialized():
+    ray = sys.modules.get("ray")  # an interruption inside `import ray` leaves it half imported
+    if _running or (ray is not None and getattr(ray, "is_initialized", lambda: False)()):
         stop()
+    kill_leftover_ray_processes()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ LOOPBACK = "127.0.0.1"
 UNCONFINABLE_LISTENERS = {"ray::ServeReplica": 1}
 DRAIN_SIGNAL = "specmoe-drain"  # named actor through which serve_app.py tells verifiers to drain
 RAY_LOCAL_ADDRESS = "local"  # ray.init's address meaning "start a new local instance"
+_ray_group: list[int] = []  # the process group init_ray started the embedded Ray in, if any
 FLUSH_S = 0.5  # after a drain: time for the ingress and the proxy to send the streams' last chunks
 
 
@@ -105,11 +106,13 @@ def _own_process_group() -> Iterator[None]:
     """
     original = os.getpgrp()
     if original == os.getpid():
+        _ray_group[:] = [original]
         log.warning("this process leads its process group, which Ray's processes will share: stop it with a "
                     "signal to its pid, not to the group (a group SIGTERM kills Ray before streams drain)")
         yield
         return
     os.setpgid(0, 0)
+    _ray_group[:] = [os.getpid()]
     try:
         yield
     finally:
@@ -119,6 +122,42 @@ def _own_process_group() -> Iterator[None]:
             # The caller's group is gone: whoever started us exited meanwhile (a Ctrl-C during
             # start-up reaches only the caller's group). Stop rather than run on unreachable.
             raise RuntimeError(f"the process group that started this server ({original}) is gone: {e}") from e
+
+
+def kill_leftover_ray_processes() -> None:
+    """SIGKILL Ray's processes still alive in the embedded Ray's process group after
+    ``ray.shutdown()``.
+
+    A start interrupted inside ``ray.init`` (Ctrl-C or SIGTERM a few seconds in) left Ray's
+    dashboard and runtime-env agents running as orphans that ignore SIGTERM. Only Ray's processes
+    (``ray::`` titles, Ray's binaries and scripts) of that group are killed: when this process
+    leads its group, a pipeline's other commands (``| tee``) share it. No-op when Ray was joined,
+    not started here, and where ``/proc`` is missing (not Linux).
+    """
+    import signal
+
+    for pid in _ray_processes_in(set(_ray_group)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    _ray_group.clear()
+
+
+def _ray_processes_in(groups: set[int]) -> Iterator[int]:
+    """Pids of Ray's processes in these process groups, this process excluded (from ``/proc``)."""
+    if not groups or not os.path.isdir("/proc"):
+        return
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                pgid = int(f.read().rsplit(")", 1)[1].split()[2])  # fields after "(comm)": state ppid pgrp
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if pgid in groups and (cmdline.startswith(b"ray::") or b"/ray/" in cmdline):
+            yield int(entry)
 
 
 class DrainSignal:
