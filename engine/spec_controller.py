@@ -185,11 +185,14 @@ class SpeculationController:
             decision = Decision({sid: min(c, k) for sid, c in caps.items()}, "probe")
         else:
             verdict = self._verdict(len(caps) + len(fixed), num_base_tokens, num_prefills)
-            if verdict == (False, False) and not any(fixed.values()):
-                # Realised rates say off and no explore step is due: the model's choice would be
-                # overruled, so it is not computed (a step of plain decoding pays no optimisation).
-                decision = Decision(dict.fromkeys(caps, 0), "adaptive", float(len(caps) + len(fixed)),
-                                    self.predict_step_s(num_base_tokens))
+            # Off by the realised rates, or an explore step of off while they say on (without TPOT
+            # budgets, which off might break): the model's choice would be overruled, so it is not
+            # computed. A plain-decoding step pays no optimisation, and an explore step measures
+            # off as it runs when the rates keep it off.
+            explore_off = verdict == (True, True) and not tpot
+            if (verdict == (False, False) or explore_off) and not any(fixed.values()):
+                decision = Decision(dict.fromkeys(caps, 0), "explore" if explore_off else "adaptive",
+                                    float(len(caps) + len(fixed)), self.predict_step_s(num_base_tokens))
             else:
                 glob = self.estimates.server_wide()  # once per step: every sequence's estimate shrinks toward it
                 decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,

@@ -281,6 +281,13 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     assert own and all(sum(d.k.values()) > 0 for d in own)
     assert any(sum(d.k.values()) == 0 for d in fast[200:] if d.reason == "explore")  # off, re-measured
     assert any(d.reason == "probe" for d in fast[200:])
+    # An explore step of off pays no optimisation either (it measures off as off runs).
+    optimised.clear()
+    ctl._optimise = lambda *a: optimised.append(1) or real_optimise(*a)
+    on = drive(64, 0.012)
+    ctl._optimise = real_optimise
+    assert any(d.reason == "explore" and not sum(d.k.values()) for d in on)
+    assert len(optimised) == sum(d.reason == "adaptive" for d in on) > 0
     assert sum(ctl.plan(caps, len(caps) + 300, num_prefills=1).k.values()) > 0  # on: the model decides
 
 
