@@ -10,9 +10,10 @@ eq. 1 generalised to per-position acceptance ``a_{s,j}``), and the step time is
 with both parts learned online from measured steps (:mod:`engine.spec_cost`). The controller
 maximises ``sum E_s / (T - T_chunk)``: a prefill chunk in the step costs ``T_chunk`` whatever is
 drafted, so the decodes' drafting must pay for itself (judged over the whole step, the chunk's
-time diluted the drafts' cost and drafting won steps where plain decoding is faster). Gains ``prod_{j<=i} a_{s,j}`` fall with ``i``, so the best
-allocation for any total ``n`` of draft tokens takes the ``n`` largest gains; every ``n`` is scored
-at once (vectorised) and the best wins, ``n = 0`` included: then nothing is drafted at all.
+time diluted the drafts' cost and drafting won steps where plain decoding is faster). Gains
+``prod_{j<=i} a_{s,j}`` fall with ``i``, so the best allocation for any total ``n`` of draft
+tokens takes the ``n`` largest gains; every ``n`` is scored at once (vectorised) and the best
+wins, ``n = 0`` included: then nothing is drafted at all.
 
 Acceptance: per sequence and position, decayed counts shrunk toward a server-wide estimate
 (:mod:`engine.spec_acceptance`). Hysteresis keeps speculation on or off unless the other choice is
@@ -28,11 +29,11 @@ sequences rounded to a power of two), the emitted tokens per second the controll
 pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedCheck`). Once
 both are measured they decide on versus off in pure-decode steps (same hysteresis) whatever the
 model predicts, TPOT budgets or not (a step with a prefill chunk follows its decodes' bucket
-too, and never explores); the model still chooses what to draft when on. One explore step runs the other mode (off while on;
-the model's best drafting while off) every ``explore_interval_steps`` while the realised margin
-is thin (< ``thin_margin``) or unmeasured, a quarter as often otherwise, so the losing mode's
-figure stays fresh. A drafter's catch-up on a prompt counts in the drafting figure: for short
-requests it is most of what drafting costs.
+too, and never explores); the model still chooses what to draft when on. One explore step runs
+the other mode (off while on; the model's best drafting while off) every
+``explore_interval_steps`` while the realised margin is thin (< ``thin_margin``) or unmeasured, a
+quarter as often otherwise, so the losing mode's figure stays fresh. A drafter's catch-up on a
+prompt counts in the drafting figure: for short requests it is most of what drafting costs.
 On a shared CPU the model misses costs its features cannot see, and off steps are rare in its
 data, so a fit alone can keep speculation on where plain decoding is faster (issue 13).
 
@@ -49,46 +50,9 @@ import numpy as np
 
 from engine.spec_acceptance import AcceptanceEstimates, expected_tokens
 from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedCheck
+from engine.spec_settings import ControllerSettings
 
 SpeculativePolicy = Literal["adaptive", "fixed"]
-
-
-@dataclass(frozen=True)
-class ControllerSettings:
-    """Tuning of :class:`SpeculationController` (defaults measured on the bundled pair).
-
-    Attributes:
-        warmup_steps: decode steps that cycle k through ``max, 1, max / 2, 0`` before adapting
-            (:meth:`SpeculationController._warmup_k`).
-        probe_interval_steps: every this many decode steps, one probe step drafts the next length
-            of ``(2, max, 0, max / 2)`` per sequence (its cap permitting) to refresh acceptance and
-            cost estimates where the controller's own choices give no data.
-        hysteresis: relative rate gain needed to switch speculation on or off.
-        acceptance_prior: server-wide acceptance at position 0 before anything is observed.
-        prior_weight: pseudo-observations of the server-wide estimate in a sequence's estimate.
-        sequence_decay, global_decay: per-observation decay of acceptance counts.
-        calibration_rate: EMA weight (in log space, each step's deviation clipped to +-1) of a
-            step's measured / predicted time in the per-mode calibration of predictions.
-        explore_interval_steps: while the realised on/off margin is thin (or not yet measured),
-            every this many decode steps one explore step runs the other mode; 4x as many
-            otherwise.
-        thin_margin: realised rates closer than this (relative) count as a thin margin.
-        goodput_decay: per-step decay of the realised goodput sums (0.99: ~100 steps' memory).
-        goodput_min_steps: decayed steps each mode needs before its realised rate is trusted.
-    """
-
-    warmup_steps: int = 8
-    probe_interval_steps: int = 16
-    hysteresis: float = 0.05
-    acceptance_prior: float = 0.6
-    prior_weight: float = 3.0
-    sequence_decay: float = 0.9
-    global_decay: float = 0.995
-    calibration_rate: float = 0.2
-    explore_interval_steps: int = 8
-    thin_margin: float = 0.2
-    goodput_decay: float = 0.99
-    goodput_min_steps: float = 2.0
 
 
 @dataclass

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from engine.spec_controller import ControllerSettings, SpeculationController
+from engine.spec_controller import SpeculationController
 from engine.spec_cost import ExpertActivation, OnlineLinearCost
+from engine.spec_settings import ControllerSettings
 
 
 class SyntheticStep:

@@ -1,0 +1,43 @@
+"""Tuning of the adaptive draft-length controller (:mod:`engine.spec_controller`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """Tuning of :class:`SpeculationController` (defaults measured on the bundled pair).
+
+    Attributes:
+        warmup_steps: decode steps that cycle k through ``max, 1, max / 2, 0`` before adapting
+            (:meth:`SpeculationController._warmup_k`).
+        probe_interval_steps: every this many decode steps, one probe step drafts the next length
+            of ``(2, max, 0, max / 2)`` per sequence (its cap permitting) to refresh acceptance and
+            cost estimates where the controller's own choices give no data.
+        hysteresis: relative rate gain needed to switch speculation on or off.
+        acceptance_prior: server-wide acceptance at position 0 before anything is observed.
+        prior_weight: pseudo-observations of the server-wide estimate in a sequence's estimate.
+        sequence_decay, global_decay: per-observation decay of acceptance counts.
+        calibration_rate: EMA weight (in log space, each step's deviation clipped to +-1) of a
+            step's measured / predicted time in the per-mode calibration of predictions.
+        explore_interval_steps: while the realised on/off margin is thin (or not yet measured),
+            every this many decode steps one explore step runs the other mode; 4x as many
+            otherwise.
+        thin_margin: realised rates closer than this (relative) count as a thin margin.
+        goodput_decay: per-step decay of the realised goodput sums (0.99: ~100 steps' memory).
+        goodput_min_steps: decayed steps each mode needs before its realised rate is trusted.
+    """
+
+    warmup_steps: int = 8
+    probe_interval_steps: int = 16
+    hysteresis: float = 0.05
+    acceptance_prior: float = 0.6
+    prior_weight: float = 3.0
+    sequence_decay: float = 0.9
+    global_decay: float = 0.995
+    calibration_rate: float = 0.2
+    explore_interval_steps: int = 8
+    thin_margin: float = 0.2
+    goodput_decay: float = 0.99
+    goodput_min_steps: float = 2.0
