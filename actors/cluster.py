@@ -124,40 +124,48 @@ def _own_process_group() -> Iterator[None]:
             raise RuntimeError(f"the process group that started this server ({original}) is gone: {e}") from e
 
 
-def kill_leftover_ray_processes() -> None:
-    """SIGKILL Ray's processes still alive in the embedded Ray's process group after
-    ``ray.shutdown()``.
+def kill_leftover_ray_processes(settle_s: float = 1.0) -> None:
+    """SIGKILL Ray's processes left in the embedded Ray's process group after ``ray.shutdown()``.
 
     A start interrupted inside ``ray.init`` (Ctrl-C or SIGTERM a few seconds in) left Ray's
     dashboard and runtime-env agents running as orphans that ignore SIGTERM. Only Ray's processes
     (``ray::`` titles, Ray's binaries and scripts) of that group are killed: when this process
-    leads its group, a pipeline's other commands (``| tee``) share it. No-op when Ray was joined,
-    not started here, and where ``/proc`` is missing (not Linux).
+    leads its group, a pipeline's other commands share it. The group is scanned again until none
+    is left or ``settle_s`` has passed (a raylet still shutting down may start or orphan one
+    meanwhile). No-op when Ray was joined, not started here, and where ``/proc`` is missing.
     """
     import signal
 
-    for pid in _ray_processes_in(set(_ray_group)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    groups = set(_ray_group)
     _ray_group.clear()
+    deadline = time.monotonic() + settle_s
+    while pids := _ray_processes_in(groups):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
 
 
-def _ray_processes_in(groups: set[int]) -> Iterator[int]:
-    """Pids of Ray's processes in these process groups, this process excluded (from ``/proc``)."""
+def _ray_processes_in(groups: set[int]) -> list[int]:
+    """Pids of Ray's live (not zombie) processes in these process groups, this one excluded."""
     if not groups or not os.path.isdir("/proc"):
-        return
+        return []
+    out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                pgid = int(f.read().rsplit(")", 1)[1].split()[2])  # fields after "(comm)": state ppid pgrp
+                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state ppid pgrp ...
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ")
-        except (OSError, ValueError, IndexError):
+        except (OSError, IndexError):
             continue  # gone meanwhile, or not ours to read
-        if pgid in groups and (cmdline.startswith(b"ray::") or b"/ray/" in cmdline):
-            yield int(entry)
+        if fields[0] != "Z" and int(fields[2]) in groups and (cmdline.startswith(b"ray::") or b"/ray/" in cmdline):
+            out.append(int(entry))
+    return out
 
 
 class DrainSignal:
