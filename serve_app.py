@@ -12,7 +12,6 @@ cluster joined or a loopback-only local Ray started (``actors/cluster.py``), and
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import socket
@@ -61,10 +60,10 @@ def check_expert_budget(config: ServeConfig) -> None:
         return
     from engine.config import load_model_config
     from engine.loader import resolve_dtype
-    from engine.model.moe import expert_shapes
+    from engine.model.moe import expert_entry_bytes
 
     model = load_model_config(config.engine.model)
-    entry_bytes = sum(math.prod(s) for s in expert_shapes(model)) * resolve_dtype(config.engine.dtype).itemsize
+    entry_bytes = expert_entry_bytes(model, resolve_dtype(config.engine.dtype))
     entries = min(x.experts_per_actor, model.moe.num_experts) + x.pinned_hot_experts
     if x.max_resident_bytes < entries * entry_bytes:
         raise StartupError(f"experts.max_resident_bytes must be >= {entries * entry_bytes} (one layer's "
@@ -303,8 +302,9 @@ def _stop_if_started() -> None:
 
     ray = sys.modules.get("ray")  # an interruption inside `import ray` leaves it half imported
     if _running or (ray is not None and getattr(ray, "is_initialized", lambda: False)()):
-        stop()
-    kill_leftover_ray_processes()
+        stop()  # which kills the leftovers itself
+    else:
+        kill_leftover_ray_processes()
 
 
 if __name__ == "__main__":

@@ -105,14 +105,13 @@ def _own_process_group() -> Iterator[None]:
     says to signal this process alone.
     """
     original = os.getpgrp()
+    _ray_group[:] = [os.getpid()]  # Ray's group either way: this process's own, or the new one it leads
     if original == os.getpid():
-        _ray_group[:] = [original]
         log.warning("this process leads its process group, which Ray's processes will share: stop it with a "
                     "signal to its pid, not to the group (a group SIGTERM kills Ray before streams drain)")
         yield
         return
     os.setpgid(0, 0)
-    _ray_group[:] = [os.getpid()]
     try:
         yield
     finally:

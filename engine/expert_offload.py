@@ -19,7 +19,6 @@ attention; which entries stay resident is :class:`engine.expert_cache.ExpertCach
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,7 +30,7 @@ import torch
 from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig
 from engine.expert_cache import CacheStats, ExpertCache, Key, Lookup
-from engine.model.moe import expert_shapes
+from engine.model.moe import expert_entry_bytes, expert_shapes
 from engine.model.names import expert_names
 from kernels.expert_ffn import expert_ffn, linear_layout
 
@@ -131,7 +130,7 @@ class OffloadedExpertStore:
                  on_load: LoadHook | None = None) -> None:
         self.config, self.expert_ids = config, sorted(expert_ids)
         shapes = expert_shapes(config)
-        self.entry_bytes = sum(math.prod(s) for s in shapes) * dtype.itemsize
+        self.entry_bytes = expert_entry_bytes(config, dtype)
         capacity = max_resident if max_resident is not None else (
             max_resident_bytes // self.entry_bytes if max_resident_bytes is not None else None)
         if capacity is None or capacity < len(self.expert_ids) + num_pinned:
@@ -144,8 +143,8 @@ class OffloadedExpertStore:
         cuda = torch.device(device).type == "cuda"
         self.tier = PinnedHostTier(reader, config, self.expert_ids, device) if cuda else CheckpointTier(reader, config)
         if simulated_link_gbps is not None:
-            disk_bytes = sum(math.prod(s) for s in shapes) * reader.get(expert_names(config, config.moe.sparse_layers[0],
-                                                                                     self.expert_ids[0])[0]).itemsize
+            first = reader.get(expert_names(config, config.moe.sparse_layers[0], self.expert_ids[0])[0])
+            disk_bytes = expert_entry_bytes(config, first.dtype)  # in the checkpoint's dtype
             self.tier = SimulatedLinkTier(self.tier, disk_bytes, simulated_link_gbps * 1e9)
         self._held = set(self.expert_ids)
         self._lock = threading.Lock()  # every cache and slot update; loads run outside it

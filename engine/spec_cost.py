@@ -203,12 +203,7 @@ class RealisedCheck:
         with hysteresis from the current state ``on``; None until both modes are measured. No
         side effects: a step with a prefill chunk asks this (it is not a pure-decode step, so it
         neither explores nor counts toward the explore cadence)."""
-        rates = self.bucket(num_decodes).rates()
-        if rates is None:
-            return None
-        off, drafting = rates
-        h = self.hysteresis
-        return bool(not off > drafting * (1 + h) if on else drafting > off * (1 + h))
+        return self._standing(self.bucket(num_decodes).rates(), on)
 
     def verdict(self, num_decodes: int, on: bool) -> tuple[bool | None, bool] | None:
         """Once per pure-decode step: ``(on, explore)``, ``on`` as :meth:`standing` and
@@ -217,19 +212,26 @@ class RealisedCheck:
         goodput = self.bucket(num_decodes)
         if not goodput.steps.any():
             return None
-        thin = self._thin(goodput.rates())
+        rates = goodput.rates()
         self._since_explore += 1
-        explore = self._since_explore >= self.explore_interval_steps * (1 if thin else 4)
+        explore = self._since_explore >= self.explore_interval_steps * (1 if self._thin(rates) else 4)
         if explore:
             self._since_explore = 0
-        return self.standing(num_decodes, on), explore
+        return self._standing(rates, on), explore
 
     def settled_off(self, num_decodes: int, on: bool) -> bool:
         """Whether the realised rates say off by more than the thin margin: probes of the cost
         model are then moot (its choice is overruled), and explore steps alone keep the drafting
         figure fresh."""
         rates = self.bucket(num_decodes).rates()
-        return rates is not None and not self._thin(rates) and self.standing(num_decodes, on) is False
+        return not self._thin(rates) and self._standing(rates, on) is False
+
+    def _standing(self, rates: np.ndarray | None, on: bool) -> bool | None:
+        if rates is None:
+            return None
+        off, drafting = rates
+        h = self.hysteresis
+        return bool(not off > drafting * (1 + h) if on else drafting > off * (1 + h))
 
     def _thin(self, rates: np.ndarray | None) -> bool:
         return rates is None or abs(rates[1] / rates[0] - 1) < self.thin_margin

@@ -8,6 +8,7 @@ combined output, so the model never knows where its experts live.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
 
@@ -81,6 +82,11 @@ def expert_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]
     """On-disk shapes of one routed expert's (gate, up, down): ``(I, H)``, ``(I, H)``, ``(H, I)``."""
     inter, hsize = config.moe.intermediate_size, config.hidden_size
     return (inter, hsize), (inter, hsize), (hsize, inter)
+
+
+def expert_entry_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one routed expert's (gate, up, down) weights in ``dtype``: one resident entry."""
+    return sum(math.prod(s) for s in expert_shapes(config)) * dtype.itemsize
 
 
 class ExpertStore:
