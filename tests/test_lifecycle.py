@@ -151,10 +151,8 @@ def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back(server):
     verifier = _replicas(proc, "verifier")
     assert len(verifier) == 1
     verifier[0].send_signal(signal.SIGKILL)
-    killed = time.monotonic()
     stream.join(30)
     request.join(30)
-    print(f"kill -> both requests answered: {time.monotonic() - killed:.1f} s")
     assert plain[0].status_code == 503 and plain[0].headers["retry-after"] == "5", plain[0].text
     assert plain[0].json()["error"]["type"] == "server_overloaded"
     _, status, events = out[-1]
