@@ -27,9 +27,10 @@ Whether to draft at all is then checked against what happened (an explore/exploi
 realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size bucket (decoding
 sequences rounded to a power of two), the emitted tokens per second the controller's own
 pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedCheck`). Once
-both are measured they decide on versus off in pure-decode steps (same hysteresis) whatever the
-model predicts, TPOT budgets or not (a step with a prefill chunk follows its decodes' bucket
-too, and never explores); the model still chooses what to draft when on. One explore step runs
+both are measured they decide on versus off in pure-decode steps whatever the model predicts,
+TPOT budgets or not (drafting must realise ``required_gain`` over plain decoding: a tie goes to
+plain decoding; a step with a prefill chunk follows its decodes' bucket too, and never
+explores); the model still chooses what to draft when on. One explore step runs
 the other mode (off while on; the model's best drafting while off) every
 ``explore_interval_steps`` while the realised margin is thin (< ``thin_margin``) or unmeasured, a
 quarter as often otherwise, so the losing mode's figure stays fresh. A drafter's catch-up on a
@@ -102,7 +103,7 @@ class SpeculationController:
         self.calibration = {False: 1.0, True: 1.0}
         self._ready: dict[str, int] = {}  # windows probably drafted ahead, for the next plan only
         self.realised = RealisedCheck(s.hysteresis, s.explore_interval_steps, s.thin_margin, s.goodput_decay,
-                                      s.goodput_min_steps)
+                                      s.goodput_min_steps, s.required_gain)
         self.last = Decision()
 
     # ------------------------------------------------------------------ decisions
@@ -156,7 +157,7 @@ class SpeculationController:
             explore_off = verdict == (True, True) and not tpot
             if (verdict == (False, False) or explore_off) and not any(fixed.values()):
                 decision = Decision(dict.fromkeys(caps, 0), "explore" if explore_off else "adaptive",
-                                    float(len(caps) + len(fixed)), self.predict_step_s(num_base_tokens))
+                                    float(len(caps) + len(fixed)), self.predict_step_s(num_base_tokens, refresh=False))
             else:
                 glob = self.estimates.server_wide()  # once per step: every sequence's estimate shrinks toward it
                 decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
@@ -294,11 +295,14 @@ class SpeculationController:
         miss_s = (step_s[:, None] - budget_s * tokens - slack_s).max(1)
         return miss_s <= max(0.0, float(miss_s.min()))
 
-    def predict_step_s(self, num_target_tokens: int, passes: int = 0, num_drafted: int = 0) -> float:
+    def predict_step_s(self, num_target_tokens: int, passes: int = 0, num_drafted: int = 0,
+                       refresh: bool = True) -> float:
         """Predicted seconds of a step with this many target tokens and draft work (0 before
-        any step was observed)."""
-        target = self.target_cost.predict(1.0, num_target_tokens, self.activation.predict(num_target_tokens))
-        draft = self.draft_cost.predict(1.0, passes, num_drafted, 0.0) if num_drafted else 0.0
+        any step was observed); ``refresh=False``: with the fits as last solved (a figure only
+        reported)."""
+        experts = self.activation.predict(num_target_tokens)
+        target = self.target_cost.predict(1.0, num_target_tokens, experts, refresh=refresh)
+        draft = self.draft_cost.predict(1.0, passes, num_drafted, 0.0, refresh=refresh) if num_drafted else 0.0
         return float(target + draft) * self.calibration[num_drafted > 0]
 
     def expected_tokens(self, seq_id: str, k: int) -> float:
@@ -352,9 +356,11 @@ class SpeculationController:
         """Measured costs of one step: the draft phase (0 s when nothing was drafted) and the
         target forward plus verification, with the distinct (layer, expert) pairs it activated."""
         experts = float(self.activation.predict(num_target_tokens) if distinct_experts is None else distinct_experts)
-        predicted = self.target_cost.predict(1.0, num_target_tokens, experts)
+        # The fits as last solved: solving them for a figure that only calibrates would cost a
+        # solve per step even where nothing predicts (plain decoding kept off).
+        predicted = self.target_cost.predict(1.0, num_target_tokens, experts, refresh=False)
         if num_drafted > 0:
-            predicted += self.draft_cost.predict(1.0, passes, num_drafted, num_catchup)
+            predicted += self.draft_cost.predict(1.0, passes, num_drafted, num_catchup, refresh=False)
         if predicted > 0:  # before the models learn from this step: an honest out-of-sample ratio
             mode, rate = num_drafted > 0, self.settings.calibration_rate
             # In log space with the step's deviation clipped: one stalled step moves it by 22 % at most.

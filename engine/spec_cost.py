@@ -39,24 +39,29 @@ class OnlineLinearCost:
         huber: residuals beyond ``huber`` times the running residual scale are down-weighted.
         warmup: observations taken at full weight before the residual scale is trusted.
         relative_floor: the residual scale is at least this fraction of the prediction.
+        resolve_every: observations after which the fit is solved again even if nothing predicted
+            (a solve costs ~0.1 ms; predictions solve whatever is pending first).
     """
 
     def __init__(self, num_features: int, forgetting: float = 0.97, ridge: float = 1e-3, huber: float = 2.0,
-                 warmup: int = 8, relative_floor: float = 0.05) -> None:
+                 warmup: int = 8, relative_floor: float = 0.05, resolve_every: int = 8) -> None:
         self.xtx = np.zeros((num_features, num_features))
         self.xty = np.zeros(num_features)
         self.forgetting, self.ridge, self.huber, self.warmup = forgetting, ridge, huber, warmup
-        self.relative_floor = relative_floor
+        self.relative_floor, self.resolve_every = relative_floor, resolve_every
         self.num_observations = 0
         # The coefficients as Python floats: a step's scalar predictions without numpy's per-call
         # overhead (``theta`` gives them as an array).
         self._coef = [0.0] * num_features
+        self._pending = 0  # observations since the last solve
         self.residual_scale_s = 0.0  # EW mean absolute residual of the (weighted) fit, seconds
 
     def observe(self, features: list[float], seconds: float, robust: bool = True) -> None:
         """Add one measured step: ``features`` (len num_features), ``seconds`` its duration;
         ``robust=False`` takes it at full weight (a deliberately informative step, e.g. a probe)."""
-        predicted = self.predict(*features)
+        # Against the last solved fit, solved again once every ``resolve_every`` observations
+        # at least: residuals against a stale fit would weight the next steps wrongly.
+        predicted = self.predict(*features, refresh=self._pending >= self.resolve_every)
         residual = abs(seconds - predicted)
         # Never trust the scale below a relative floor: a fit that is exact on its usual points
         # must still learn from a rare, informative one (a probe of another draft length).
@@ -71,12 +76,19 @@ class OnlineLinearCost:
         self.xtx = self.forgetting * self.xtx + w * np.outer(x, x)
         self.xty = self.forgetting * self.xty + w * x * seconds
         self.num_observations += 1
-        self._coef = self._solve().tolist()
+        self._pending += 1  # solved when a prediction needs it: a run of steps nothing predicts for
+        # (plain decoding the realised check keeps off) pays one solve per resolve_every
 
     @property
     def theta(self) -> np.ndarray:
         """``(num_features,)`` float64 fitted coefficients, all >= 0."""
+        self._refresh()
         return np.asarray(self._coef)
+
+    def _refresh(self) -> None:
+        if self._pending:
+            self._coef = self._solve().tolist()
+            self._pending = 0
 
     def _solve(self) -> np.ndarray:
         n = len(self.xty)
@@ -96,11 +108,15 @@ class OnlineLinearCost:
                 theta[keep] = np.linalg.solve(sub, self.xty[keep])
         return np.maximum(theta, 0.0)
 
-    def predict(self, *columns):
+    def predict(self, *columns, refresh: bool = True):
         """Seconds ``theta . features`` for features given by column: ``columns[i]`` is feature
         ``i``, a float or an ``(N,)`` array (then ``(N,)`` seconds). Per call a handful of scalar
         or elementwise operations, no feature matrix: the controller predicts several times a step.
+        ``refresh=False``: with the fit as last solved (observations since not solved in), for
+        figures that only report or calibrate.
         """
+        if refresh:
+            self._refresh()
         out = self._coef[0] * columns[0]
         for coef, column in zip(self._coef[1:], columns[1:]):
             out = out + coef * column
@@ -176,17 +192,27 @@ class RealisedCheck:
     :class:`RealisedGoodput` of pure-decode steps, and the cadence of explore steps that run the
     other mode so its figure stays fresh.
 
+    Drafting must *pay*: it stays on while its realised rate beats plain decoding's by
+    ``required_gain`` and comes on when it beats that by ``hysteresis`` more (the ratio drafting /
+    off above ``(1 + required_gain) * (1 + hysteresis)``). A tie goes to plain decoding: drafting
+    has costs these pure-decode rates do not see (the draft model's catch-up in prefill steps,
+    its weights and KV cache evicting the target's from the CPU caches, switching), and with a
+    band around equal rates, rates within noise of each other kept whichever mode ran first
+    (drafting) for good.
+
     Args:
-        hysteresis: relative rate gain needed to switch on or off.
+        hysteresis: relative gain beyond ``required_gain`` that switches drafting on.
         explore_interval_steps: an explore step this often while the margin is thin or unmeasured,
             4x as rarely otherwise.
-        thin_margin: realised rates closer than this (relative) count as a thin margin.
+        thin_margin: a ratio within this (relative) of the switching point counts as a thin margin.
         decay, min_steps: of each bucket's :class:`RealisedGoodput`.
+        required_gain: relative gain over plain decoding drafting must realise to stay on.
     """
 
     def __init__(self, hysteresis: float, explore_interval_steps: int, thin_margin: float, decay: float,
-                 min_steps: float) -> None:
+                 min_steps: float, required_gain: float = 0.0) -> None:
         self.hysteresis, self.explore_interval_steps, self.thin_margin = hysteresis, explore_interval_steps, thin_margin
+        self.required_gain = required_gain
         self.decay, self.min_steps = decay, min_steps
         self._buckets: dict[int, RealisedGoodput] = {}
         self._since_explore = 0  # checked steps since the last explore step
@@ -229,12 +255,16 @@ class RealisedCheck:
     def _standing(self, rates: np.ndarray | None, on: bool) -> bool | None:
         if rates is None:
             return None
-        off, drafting = rates
-        h = self.hysteresis
-        return bool(not off > drafting * (1 + h) if on else drafting > off * (1 + h))
+        ratio = self._ratio(rates)
+        return bool(ratio >= 1 if on else ratio > 1 + self.hysteresis)
 
     def _thin(self, rates: np.ndarray | None) -> bool:
-        return rates is None or abs(rates[1] / rates[0] - 1) < self.thin_margin
+        return rates is None or abs(self._ratio(rates) - 1) < self.thin_margin
+
+    def _ratio(self, rates: np.ndarray) -> float:
+        """Drafting's realised rate over plain decoding's, relative to the switching point."""
+        off, drafting = rates
+        return float(drafting / (off * (1 + self.required_gain)))
 
     def observe(self, num_decodes: int, drafting: bool, num_emitted: int, step_s: float) -> None:
         """A pure-decode step of ``num_decodes`` sequences, drafting or not."""

@@ -15,7 +15,10 @@ class ControllerSettings:
         probe_interval_steps: every this many decode steps, one probe step drafts the next length
             of ``(2, max, 0, max / 2)`` per sequence (its cap permitting) to refresh acceptance and
             cost estimates where the controller's own choices give no data.
-        hysteresis: relative rate gain needed to switch speculation on or off.
+        hysteresis: relative rate gain needed to switch speculation on or off (the model's
+            choice; for the realised check, the gain beyond ``required_gain`` that switches on).
+        required_gain: realised relative gain over plain decoding drafting must show to be (and
+            stay) on (:class:`engine.spec_cost.RealisedCheck`): a tie goes to plain decoding.
         acceptance_prior: server-wide acceptance at position 0 before anything is observed.
         prior_weight: pseudo-observations of the server-wide estimate in a sequence's estimate.
         sequence_decay, global_decay: per-observation decay of acceptance counts.
@@ -32,6 +35,7 @@ class ControllerSettings:
     warmup_steps: int = 8
     probe_interval_steps: int = 16
     hysteresis: float = 0.05
+    required_gain: float = 0.05
     acceptance_prior: float = 0.6
     prior_weight: float = 3.0
     sequence_decay: float = 0.9

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from engine.spec_controller import SpeculationController
-from engine.spec_cost import ExpertActivation, OnlineLinearCost
+from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedCheck
 from engine.spec_settings import ControllerSettings
 
 
@@ -164,6 +164,41 @@ def test_online_cost_shrugs_off_stalled_steps_and_follows_a_load_change():
     assert np.abs(predicted / true - 1).max() < 0.15
     _, plain, _ = _fit_with_stalls(huber=float("inf"))  # unweighted least squares: the stalls win
     assert np.abs(plain / true - 1).max() > 0.3
+
+
+def test_online_cost_solves_when_a_prediction_needs_it():
+    """Observations alone solve the fit once per ``resolve_every`` (residuals need a recent fit);
+    a prediction solves whatever is pending first, so it equals an always-solved model's."""
+    lazy, eager = OnlineLinearCost(3), OnlineLinearCost(3, resolve_every=1)
+    solves = []
+    real_solve = lazy._solve
+    lazy._solve = lambda: solves.append(1) or real_solve()
+    for t in range(1, 20):
+        for model in (lazy, eager):
+            model.observe([1.0, t % 7, t % 3], 0.004 + 0.001 * (t % 7) + 0.0005 * (t % 3))
+    assert len(solves) == 2  # at the 9th and 17th observation
+    assert lazy.predict(1.0, 5, 2) == pytest.approx(eager.predict(1.0, 5, 2), rel=1e-9)
+    assert lazy.predict(1.0, 5, 2) == pytest.approx(0.010, rel=1e-3)
+    assert len(solves) == 3
+    lazy.predict(1.0, 5, 2)
+    assert len(solves) == 3  # nothing pending: no solve
+
+
+def test_realised_check_switches_around_the_required_gain():
+    """Drafting stays on only while it realises ``required_gain`` (5 %) over plain decoding and
+    comes on when it realises 5 % more (hysteresis): a tie goes to plain decoding. (With a band
+    around equal rates, rates 2 % apart kept drafting on for good.)"""
+    def check(ratio: float) -> RealisedCheck:
+        rc = RealisedCheck(0.05, 8, 0.2, 0.99, 2.0, required_gain=0.05)
+        for _ in range(20):
+            rc.observe(4, False, 4, 0.010)  # plain decoding: 400 tok/s
+            rc.observe(4, True, 8, 0.020 / ratio)  # drafting: 400 x ratio tok/s
+        return rc
+    assert check(1.02).standing(4, on=True) is False
+    assert check(1.02).settled_off(4, on=True) is False  # a thin margin: keep probing
+    assert check(0.70).settled_off(4, on=True) is True
+    assert check(1.08).standing(4, on=True) is True and check(1.08).standing(4, on=False) is False
+    assert check(1.12).standing(4, on=False) is True
 
 
 def test_expert_activation_learns_routing_skew():
