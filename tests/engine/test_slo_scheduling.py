@@ -379,3 +379,21 @@ def test_the_wait_estimate_frees_the_budget_as_running_decodes_finish(monkeypatc
         2 * linear(2 + p1) + 3 * linear(1 + p2) + linear(rest))  # 0.43 s
     held = wait_estimate_s(4000, [(float("inf"), 2, p1)], linear)  # the tight cap for the whole wait
     assert held > 0.52 and wait_estimate_s(4000, phases, linear) < 0.44
+
+
+def test_an_itl_cap_the_decode_only_step_already_exceeds_does_not_cap_the_chunk(monkeypatch):
+    """A 12 ms ITL cap binds while the decode-only step fits under it; once the decodes alone
+    take longer (120 target tokens: 17 ms), no chunk size keeps the cap, and capping anyway held
+    every step to the minimum chunk (over HTTP at concurrency 16: 2-5 of 16 requests decoding,
+    time to first token 2-3 s); the TPOT budget (20 ms a token) still sizes the chunk."""
+    from types import SimpleNamespace
+
+    policy, linear = policy_at_1000_s(monkeypatch, {"both": SLOClass(tpot_ms=20.0, itl_ms=12.0)},
+                                      default_slo_class="both")
+    fresh = SimpleNamespace(seq_id="a", params=SamplingParams(max_tokens=12), num_output_tokens=0,
+                            request=SimpleNamespace(metrics=RequestMetrics(arrival_time_s=990.0)))
+    capped = policy.prefill_limit([fresh], 1)
+    assert capped == prefill_token_limit([12.0], 1, 4096, linear) and 68 <= capped <= 69
+    assert prefill_token_limit([12.0], 120, 4096, linear) == 0  # what the cap would allow
+    heavy = policy.prefill_limit([fresh], 120)
+    assert heavy == prefill_token_limit([20.0], 120, 4096, linear) and 29 <= heavy <= 30
