@@ -152,12 +152,15 @@ class SLOPolicy:
         per-step cap sized chunks for the worst case and slowed bursts' TTFT: the production
         mix's 13-token completions have 50 ms x 12 of TPOT budget and decode steps of ~10-20 ms.
 
-        An ``itl_ms`` the predicted decode-only step already exceeds does not cap the allowance
-        (the TPOT rules still do): no chunk size keeps it, and capping anyway held every step to
-        the minimum chunk of one prompt. Over HTTP at concurrency 16 on the 2-core VM (every step
-        predicted at 20-47 ms against the embedded config's 25 ms cap) that admitted prompts one
-        32-token chunk a step: 2-5 of 16 requests decoding while up to 13 waited, time to first
-        token 2.1-3.2 s, speculation 0.64-0.88x of plain decoding's throughput."""
+        A cap (an ``itl_ms``, or a TPOT allowance of a decode behind its budget) that the predicted
+        decode-only step already exceeds does not apply (the decode's other caps still do): no
+        chunk size keeps it, and capping anyway held every step to the minimum chunk of one
+        prompt. Over HTTP at concurrency 16 on the 2-core VM (every step predicted at 20-47 ms
+        against the embedded config's 25 ms ITL cap) that admitted prompts one 32-token chunk a
+        step: 2-5 of 16 requests decoding while up to 13 waited, time to first token 2.1-4.0 s,
+        speculation 0.64-0.88x of plain decoding's throughput; with sampling (temperature 0.8,
+        decodes behind their 25 ms TPOT budget) the TPOT floor did the same (TTFT 2.4 s, 0.62x).
+        Overloaded like that, chunks are sized by the token budget alone, as in vLLM."""
         if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
             return None
         predict = self.step_predictor()
@@ -166,19 +169,19 @@ class SLOPolicy:
             slo = self.config.slo_for(s.params.slo_class)[1]
             if slo is None:
                 continue
-            allowance_ms = math.inf
+            caps_ms = []
             if slo.tpot_ms:
                 k = self.controller.last.k.get(s.seq_id, 0)
                 slack_s = projected_slack_s(s, slo.tpot_ms / 1e3, now, self.steps_left(s), decode_s)
-                allowance_ms = step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
-                                                 decode_s * 1e3, None if slack_s is None else slack_s * 1e3)
-            # The gap this step makes in its stream, whatever the slack allows; but a cap the
-            # decode-only step already exceeds cannot be kept by shrinking the chunk, and holding
-            # chunks to the minimum then only starves admission (see the docstring).
-            if slo.itl_ms and decode_s * 1e3 < slo.itl_ms:
-                allowance_ms = min(allowance_ms, slo.itl_ms)
-            if allowance_ms < math.inf:
-                budgets.append(allowance_ms)
+                caps_ms.append(step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
+                                                 decode_s * 1e3, None if slack_s is None else slack_s * 1e3))
+            if slo.itl_ms:  # the gap this step makes in its stream, whatever the slack allows
+                caps_ms.append(slo.itl_ms)
+            # A cap the decode-only step already exceeds cannot be kept by shrinking the chunk;
+            # holding chunks to the minimum then only starves admission (see the docstring).
+            attainable = [c for c in caps_ms if c > decode_s * 1e3]
+            if attainable:
+                budgets.append(min(attainable))
         if not budgets:
             return None
         return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens, predict)

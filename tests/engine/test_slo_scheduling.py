@@ -381,11 +381,11 @@ def test_the_wait_estimate_frees_the_budget_as_running_decodes_finish(monkeypatc
     assert held > 0.52 and wait_estimate_s(4000, phases, linear) < 0.44
 
 
-def test_an_itl_cap_the_decode_only_step_already_exceeds_does_not_cap_the_chunk(monkeypatch):
+def test_a_cap_the_decode_only_step_already_exceeds_does_not_cap_the_chunk(monkeypatch):
     """A 12 ms ITL cap binds while the decode-only step fits under it; once the decodes alone
     take longer (120 target tokens: 17 ms), no chunk size keeps the cap, and capping anyway held
     every step to the minimum chunk (over HTTP at concurrency 16: 2-5 of 16 requests decoding,
-    time to first token 2-3 s); the TPOT budget (20 ms a token) still sizes the chunk."""
+    time to first token 2-4 s); the TPOT budget (20 ms a token) still sizes the chunk."""
     from types import SimpleNamespace
 
     policy, linear = policy_at_1000_s(monkeypatch, {"both": SLOClass(tpot_ms=20.0, itl_ms=12.0)},
@@ -397,3 +397,13 @@ def test_an_itl_cap_the_decode_only_step_already_exceeds_does_not_cap_the_chunk(
     assert prefill_token_limit([12.0], 120, 4096, linear) == 0  # what the cap would allow
     heavy = policy.prefill_limit([fresh], 120)
     assert heavy == prefill_token_limit([20.0], 120, 4096, linear) and 29 <= heavy <= 30
+    # 200 target tokens (25 ms) exceed the fresh decode's TPOT floor (20 ms a token) too: nothing
+    # it allows can be kept, so it caps nothing (the token budget alone sizes the chunk, as in
+    # vLLM); a decode with slack beside it still caps the step at what its slack allows.
+    assert policy.prefill_limit([fresh], 200) is None
+    ahead = SimpleNamespace(seq_id="b", params=SamplingParams(max_tokens=12), num_output_tokens=11,
+                            request=SimpleNamespace(metrics=RequestMetrics(arrival_time_s=990.0,
+                                                                           first_token_time_s=999.9)))
+    alone = policy.prefill_limit([ahead], 200)  # 25 ms decode-only step + half its 95 ms of slack
+    assert alone == prefill_token_limit([72.5], 200, 4096, linear) and 474 <= alone <= 475
+    assert policy.prefill_limit([fresh, ahead], 200) == alone
