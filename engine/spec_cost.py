@@ -210,7 +210,7 @@ class RealisedCheck:
     """
 
     def __init__(self, hysteresis: float, explore_interval_steps: int, thin_margin: float, decay: float,
-                 min_steps: float, required_gain: float = 0.0) -> None:
+                 min_steps: float, required_gain: float) -> None:
         self.hysteresis, self.explore_interval_steps, self.thin_margin = hysteresis, explore_interval_steps, thin_margin
         self.required_gain = required_gain
         self.decay, self.min_steps = decay, min_steps

@@ -27,7 +27,8 @@ class ControllerSettings:
         explore_interval_steps: while the realised on/off margin is thin (or not yet measured),
             every this many decode steps one explore step runs the other mode; 4x as many
             otherwise.
-        thin_margin: realised rates closer than this (relative) count as a thin margin.
+        thin_margin: a realised ratio (drafting / off) within this (relative) of the switching
+            point (``1 + required_gain``) counts as a thin margin.
         goodput_decay: per-step decay of the realised goodput sums (0.99: ~100 steps' memory).
         goodput_min_steps: decayed steps each mode needs before its realised rate is trusted.
     """
