@@ -271,6 +271,14 @@ def _ray_worker_cpu_s() -> dict[int, tuple[str, float]]:
     return out
 
 
+@ray.remote(num_cpus=0)
+class _IdleReference:
+    """An actor that does nothing: what an idle Ray worker process costs on this machine, now."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
 def test_an_idle_server_does_not_burn_a_core(served):
     url, config, handle = served
     body = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 8, "temperature": 0}
@@ -279,23 +287,34 @@ def test_an_idle_server_does_not_burn_a_core(served):
     time.sleep(idle_after_s)
     transport = _engine_stats(handle)["transport"]
     assert transport["graph_parked"] or not transport["graph_live"]  # live graphs are parked when idle
+    reference = _IdleReference.remote()
+    reference_pid = ray.get(reference.pid.remote())
     before = _ray_worker_cpu_s()
     window_s = 60.0
     time.sleep(window_s)
     after = _ray_worker_cpu_s()
+    ray.kill(reference)
     used = {p: (after[p][0], after[p][1] - before[p][1]) for p in before if p in after}
-    # A polling compiled-graph reader burns 20-60 s of this minute in its own process, which can be
-    # any of the app's actors or the compiled graphs' driver proxies; idle, each uses ~1 s. Ray's
-    # and Serve's own processes are not where a reader lives and run their own loops (Serve's
-    # controller reconciles every 0.1 s: 1.6-3.0 CPU s a minute measured here): they count in
-    # the sum below.
-    system = ("ray::ServeController", "ray::ProxyActor", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
-    busiest = max(s for title, s in used.values() if not title.startswith(system))
+    # Every Ray worker, doing nothing, costs its core worker's own timers: 0.5 CPU s a minute on the
+    # dev VM, 0.8 on CI's, so any bound on a sum of processes is measured against an actor that
+    # does nothing, in the same minute. A polling compiled-graph reader burns 20-60 s of this
+    # minute in its own process, which can be any of the app's actors or the compiled graphs'
+    # driver proxies; idle, each is within ~0.4 s of the reference.
+    idle_s = used[reference_pid][1]
+    system = ("ray::ServeController", "ray::ProxyActor", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE")
+    app = {p: (title, s) for p, (title, s) in used.items() if p != reference_pid and not title.startswith(system)}
+    busiest = max(s for _, s in app.values())
     assert busiest < 0.05 * window_s, f"a Ray worker used {busiest:.1f} CPU s in an idle {window_s:.0f} s: {used}"
-    # The server's own processes together: Ray's pooled ``IDLE`` workers hold no actor of it (how
-    # many there are depends on what earlier tests ran on this Ray; ~0.8 s a minute each).
-    server = sum(s for title, s in used.values() if title != "ray::IDLE")
-    assert server < 0.25 * window_s, f"the server's Ray workers used {server:.1f} CPU s idle: {used}"
+    # The app's processes together, beyond what as many idle workers cost: several actors each
+    # waking often (a reader polling with a sleep) add up here without any one being the busiest.
+    excess_s = sum(max(0.0, s - idle_s) for _, s in app.values())
+    assert excess_s < 0.05 * window_s, (
+        f"the app's {len(app)} Ray workers used {excess_s:.1f} CPU s idle beyond an idle actor's "
+        f"{idle_s:.2f} s each: {used}")
+    # Ray's and Serve's own processes run their own loops (Serve's controller reconciles every
+    # 0.1 s: 1.6-3.3 CPU s a minute measured); none of them may spin either.
+    for title, s in used.values():
+        assert s < 0.1 * window_s, f"{title} used {s:.1f} CPU s in an idle {window_s:.0f} s: {used}"
 
 
 def test_releases_do_not_pile_up_while_nothing_drafts(served):
