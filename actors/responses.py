@@ -91,9 +91,12 @@ class ResponseBuilder:
             self.text[i] += c["new_text"]
             self.logprobs[i] += c["new_logprobs"] or []
             self.token_ids[i] += c["new_token_ids"]
-            if c["finish_reason"] is not None:
+            # The engine reports every choice of the request each step, a finished one too (no new
+            # tokens, its finish reason again): a stream says a choice finished exactly once.
+            finishes = c["finish_reason"] is not None and self.finish[i] is None
+            if finishes:
                 self.finish[i] = c["finish_reason"]
-            if c["new_text"] or c["finish_reason"] is not None or c["new_token_ids"]:
+            if c["new_text"] or c["new_token_ids"] or finishes:
                 chunks.append(self._chunk(i, c))
         if item.get("usage"):
             self.usage = {**item["usage"],

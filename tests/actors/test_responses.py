@@ -1,4 +1,5 @@
-"""Completion logprobs carry OpenAI's text_offset, streamed or not."""
+"""Completion logprobs carry OpenAI's text_offset, streamed or not; a stream of n choices says
+each one's finish once."""
 
 from actors.responses import ResponseBuilder
 
@@ -10,11 +11,14 @@ class _Tokenizer:
         return "".join("xy" if i == 26 else chr(ord("a") + i) for i in ids)
 
 
+def _choice(ids: list[int], finished: bool = False, index: int = 0) -> dict:
+    return {"index": index, "new_text": _Tokenizer().decode(ids), "new_token_ids": ids,
+            "finish_reason": "length" if finished else None, "stop_reason": None, "num_tokens": 0,
+            "new_logprobs": [{"token_id": i, "logprob": -0.5, "top": {i: -0.5}} for i in ids]}
+
+
 def _item(ids: list[int], finished: bool = False) -> dict:
-    return {"type": "step", "finished": finished, "choices": [{
-        "index": 0, "new_text": _Tokenizer().decode(ids), "new_token_ids": ids,
-        "finish_reason": "length" if finished else None, "stop_reason": None, "num_tokens": 0,
-        "new_logprobs": [{"token_id": i, "logprob": -0.5, "top": {i: -0.5}} for i in ids]}]}
+    return {"type": "step", "finished": finished, "choices": [_choice(ids, finished)]}
 
 
 def test_text_offsets_are_running_character_offsets_in_streams_and_final_bodies():
@@ -25,3 +29,18 @@ def test_text_offsets_are_running_character_offsets_in_streams_and_final_bodies(
     assert final["text"] == "axybc"
     assert final["logprobs"]["tokens"] == ["a", "xy", "b", "c"]
     assert final["logprobs"]["text_offset"] == [0, 1, 3, 4]
+
+
+def test_a_finished_choice_of_an_n_stream_gets_one_finish_chunk_while_the_others_go_on():
+    """The engine reports every choice each step, finished ones again with no tokens: choice 0
+    finishes in step 1, choice 1 in step 3."""
+    for kind in ("completion", "chat"):
+        builder = ResponseBuilder(kind, "m", "cmpl-2", 2, _Tokenizer(), want_logprobs=False)
+        steps = [[_choice([0], True, 0), _choice([1], False, 1)],
+                 [_choice([], True, 0), _choice([2], False, 1)],
+                 [_choice([], True, 0), _choice([3], True, 1)]]
+        chunks = [c for i, choices in enumerate(steps)
+                  for c in builder.add({"type": "step", "finished": i == 2, "choices": choices})]
+        seen = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks]
+        assert seen == [(0, "length"), (1, None), (1, None), (1, "length")], kind
+        assert [c["finish_reason"] for c in builder.final()["choices"]] == ["length", "length"]
