@@ -11,7 +11,7 @@ from engine.drafters.base import Drafter, NoneDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import ConfigError
 from engine.field_types import check_field_types
-from engine.loader import LoadedModel, load_model, resolve_dtype
+from engine.loader import LoadedModel, check_device, load_model, resolve_dtype
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.scheduler import SchedulerConfig
 from engine.spec_controller import SpeculativePolicy
@@ -72,6 +72,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 setattr(self, name, os.fspath(path))
         check_field_types(self, lambda name, message: ConfigError(f"{name}: {message}"))
         resolve_dtype(self.dtype)  # a bad name fails here, not in every replica that loads the model
+        check_device(self.device)
         if self.speculative_method is None and self.draft_model is not None:
             self.speculative_method = "draft"
         if self.speculative_method in ("draft", "eagle3") and self.draft_model is None:

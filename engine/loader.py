@@ -26,6 +26,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_device(device: str) -> None:
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (the engine's kernels and KV cache run on CPU or CUDA);
+    raises ConfigError otherwise. Whether a CUDA device exists is the start-up's check, where the
+    model runs, not the config's."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"device: {device!r} is not 'cpu', 'cuda' or 'cuda:N'")
+
+
 @dataclass
 class LoadedModel:
     """A model with what serving it needs."""

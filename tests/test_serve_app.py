@@ -41,6 +41,8 @@ def test_bad_dtype_missing_cuda_and_a_small_expert_byte_budget_fail_before_ray_s
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     for (good, bad), culprit in ((("dtype: float32", "dtype: fp64"), "dtype: 'fp64' is not one of"),
                                  (("device: cpu", "device: cuda"), "engine.device: 'cuda', but torch sees no CUDA"),
+                                 (("device: cpu", "device: tpu"), "device: 'tpu' is not 'cpu', 'cuda' or 'cuda:N'"),
+                                 (("device: cpu", "device: mps"), "device: 'mps' is not 'cpu', 'cuda' or 'cuda:N'"),
                                  # 8 experts of 3 x 256 x 128 float32 weights: 8 x 393216 bytes at least
                                  (("experts_per_actor: 8", "experts_per_actor: 8\n  max_resident_bytes: 1000"),
                                   "experts.max_resident_bytes must be >= 3145728 (one layer's 8 held and pinned "
