@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 
 from actors.config import ServeConfig
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 from engine.yaml_config import load_yaml
 
 APP_NAME = "specmoe"
@@ -112,6 +112,8 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     Raises:
         StartupError: missing checkpoint, port in use, a CUDA device missing here, Ray not starting
             (or its cluster unreachable), or the app not becoming healthy in time.
+        ConfigError, CheckpointError: checkpoints that do not fit the config or each other
+            (``EngineArgs.check_checkpoints``).
     """
     from ray import serve
 
@@ -120,6 +122,7 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
 
     address = cluster_address(address)
     resolve_paths(config, base or Path.cwd())
+    config.engine.check_checkpoints()
     check_expert_budget(config)
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
         check_port(config.http.host, config.http.port)
@@ -160,8 +163,9 @@ def build_app(args: dict):
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     try:
         resolve_paths(config, REPO_ROOT)
+        config.engine.check_checkpoints()
         check_expert_budget(config)
-    except StartupError as e:
+    except (StartupError, CheckpointError, ConfigError) as e:
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     return bind_app(config)
 
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = apply_overrides(load_yaml(args.config, ServeConfig), args)
         url = start(config, address=args.address, sigterm=_sigterm)
-    except (ConfigError, StartupError) as e:
+    except (ConfigError, CheckpointError, StartupError) as e:
         print(f"specmoe: cannot start: {e}", file=sys.stderr)
         _stop_if_started()
         return 2

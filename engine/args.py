@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -87,6 +88,24 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError("ngram_min_n/ngram_max_n: need 1 <= ngram_min_n <= ngram_max_n")
 
+    def check_checkpoints(self) -> None:
+        """The named checkpoints' configs (config.json files only, no weights) against this config:
+        the target's and the draft's parse, they share a vocabulary, an EAGLE-3 head fits the
+        target. A start-up calls this so a mismatch is one error, not a failure in every replica
+        that loads the models.
+
+        Raises:
+            CheckpointError: a missing or unparsable config.json (the file named).
+            ConfigError: an unsupported or mismatched checkpoint (the file and field named).
+        """
+        target = _model_config(self.model, "model")
+        if self.speculative_method == "eagle3":
+            from engine.model.eagle3 import load_eagle3_config
+
+            load_eagle3_config(Path(self.draft_model), target)
+        elif self.speculative_method == "draft":
+            _check_draft_vocab(_model_config(self.draft_model, "draft_model").vocab_size, target.vocab_size)
+
     def build_drafter(self, target: LoadedModel, max_model_len: int) -> Drafter:
         """The drafter this config names, sized like the target's scheduler."""
         if self.speculative_method == "ngram":
@@ -102,9 +121,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
             draft = load_model(self.draft_model, self.dtype, self.device, skip_tokenizer_init=True,
                                compile=self.compile)
-            if draft.config.vocab_size != target.config.vocab_size:
-                raise ConfigError(f"draft_model: vocab size {draft.config.vocab_size} differs from the "
-                                  f"target's {target.config.vocab_size} (they must share a tokenizer)")
+            _check_draft_vocab(draft.config.vocab_size, target.config.vocab_size)
             drafter = DraftModelDrafter(draft, self.scheduler.max_num_seqs, max_model_len)
             if self.pipelined_drafting:
                 from engine.drafters.pipelined import PipelinedDrafter
@@ -112,3 +129,19 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 return PipelinedDrafter(drafter)
             return drafter
         return NoneDrafter()
+
+
+def _check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
+    if draft_vocab_size != target_vocab_size:
+        raise ConfigError(f"draft_model: vocab size {draft_vocab_size} differs from the "
+                          f"target's {target_vocab_size} (they must share a tokenizer)")
+
+
+def _model_config(path: str, field: str):
+    """``load_model_config(path)`` with the config field that named it in any ConfigError."""
+    from engine.config import load_model_config
+
+    try:
+        return load_model_config(path)
+    except ConfigError as e:
+        raise ConfigError(f"{field}: {path}: {e}") from None

@@ -32,7 +32,7 @@ def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
 
 
-def test_bad_dtype_missing_cuda_and_a_small_expert_byte_budget_fail_before_ray_starts(tmp_path, capsys, monkeypatch):
+def test_bad_dtype_device_checkpoints_and_a_small_expert_byte_budget_fail_before_ray_starts(tmp_path, capsys, monkeypatch):
     """Each used to surface only as failed verifier replicas and hundreds of lines of tracebacks."""
     import actors.cluster
 
@@ -43,6 +43,11 @@ def test_bad_dtype_missing_cuda_and_a_small_expert_byte_budget_fail_before_ray_s
                                  (("device: cpu", "device: cuda"), "engine.device: 'cuda', but torch sees no CUDA"),
                                  (("device: cpu", "device: tpu"), "device: 'tpu' is not 'cpu', 'cuda' or 'cuda:N'"),
                                  (("device: cpu", "device: mps"), "device: 'mps' is not 'cpu', 'cuda' or 'cuda:N'"),
+                                 # checkpoints that do not fit the method or each other
+                                 (("speculative_method: draft", "speculative_method: eagle3"),
+                                  "stdlib-draft/config.json: config.architectures: 'LlamaForCausalLM' is not an EAGLE-3 head"),
+                                 (("draft_model: checkpoints/stdlib-draft", "draft_model: checkpoints/stdlib-eagle3"),
+                                  "stdlib-eagle3: config.architectures: unsupported architecture 'LlamaForCausalLMEagle3'"),
                                  # 8 experts of 3 x 256 x 128 float32 weights: 8 x 393216 bytes at least
                                  (("experts_per_actor: 8", "experts_per_actor: 8\n  max_resident_bytes: 1000"),
                                   "experts.max_resident_bytes must be >= 3145728 (one layer's 8 held and pinned "
