@@ -6,6 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 CONFIG ?= configs/embedded.yaml
+PORT   ?=
 
 .PHONY: install serve test test-quick test-gpu lint bench clean
 
@@ -19,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
-	$(PY) serve_app.py --config $(CONFIG)
+	$(PY) serve_app.py --config $(CONFIG) $(if $(PORT),--port $(PORT))
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -41,7 +41,7 @@ class IngressDeployment:
     async def model(self, model_id: str):
         return await self.server.model(model_id)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health(self):
         return await self.server.health()
 

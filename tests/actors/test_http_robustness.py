@@ -84,6 +84,7 @@ def test_bad_inputs_get_openai_errors_while_a_stream_runs_intact(served, referen
     too_many_drafts = _post(url, C, {**OK_PROMPT, "num_speculative_tokens": 5}).json()["error"]
     assert too_many_drafts["param"] == "num_speculative_tokens" and "at most 4" in too_many_drafts["message"]
     assert httpx.get(url + "/health").status_code == 200
+    assert httpx.head(url + "/health").status_code == 200
 
 
 def test_models_list_and_retrieve_as_openai_clients_do(served, client):
