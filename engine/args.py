@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
@@ -16,6 +16,9 @@ from engine.loader import LoadedModel, check_device, load_model, resolve_dtype
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.scheduler import SchedulerConfig
 from engine.spec_controller import SpeculativePolicy
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 DEFAULT_K = 4
 
@@ -137,7 +140,7 @@ def _check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
                           f"target's {target_vocab_size} (they must share a tokenizer)")
 
 
-def _model_config(path: str, field: str):
+def _model_config(path: str, field: str) -> ModelConfig:
     """``load_model_config(path)`` with the config field that named it in any ConfigError."""
     from engine.config import load_model_config
 
