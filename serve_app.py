@@ -135,8 +135,13 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
         signal.signal(signal.SIGTERM, sigterm)
     _running.update(owns_ray=owns_ray, namespace=config.experts.namespace,
                     signal=create_drain_signal(config.experts.namespace))
-    serve.start(proxy_location=config.http.proxy_location,
-                http_options={"host": config.http.host, "port": config.http.port})
+    try:
+        serve.start(proxy_location=config.http.proxy_location,
+                    http_options={"host": config.http.host, "port": config.http.port})
+    except Exception as e:  # RayTaskError from the proxy: the port was free at check_port, then taken
+        # (Ray's own processes pick ephemeral ports as they start)
+        raise StartupError(f"http: Serve's proxy cannot listen on {config.http.host}:{config.http.port} "
+                           f"({type(e).__name__}); pick another port in the config or with --port") from e
     serve.run(bind_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.http.host}:{config.http.port}"
     _wait_healthy(url, wait_ready_s)

@@ -32,6 +32,19 @@ def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
 
 
+def test_a_port_taken_after_the_check_is_a_clear_startup_error(capsys, monkeypatch):
+    """Ray's processes take ephemeral ports as they start, so a port free at the check can be gone
+    when Serve's proxy binds it (seen in a sweep): one line and exit code 2, not a traceback."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(serve_app, "check_port", lambda host, port: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert serve_app.main(["--config", "configs/embedded.yaml", "--port", str(port)]) == 2
+    assert f"http: Serve's proxy cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_bad_dtype_device_checkpoints_and_a_small_expert_byte_budget_fail_before_ray_starts(tmp_path, capsys, monkeypatch):
     """Each used to surface only as failed verifier replicas and hundreds of lines of tracebacks."""
     import actors.cluster
