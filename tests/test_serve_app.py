@@ -24,11 +24,7 @@ def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", ray_address)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        assert serve_app.main(["--config", "configs/embedded.yaml", "--port", str(port)]) == 2
+    port = _start_on_a_port_in_use()
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
 
 
@@ -37,12 +33,18 @@ def test_a_port_taken_after_the_check_is_a_clear_startup_error(capsys, monkeypat
     when Serve's proxy binds it (seen in a sweep): one line and exit code 2, not a traceback."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(serve_app, "check_port", lambda host, port: None)
+    port = _start_on_a_port_in_use()
+    assert f"http: Serve's proxy cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def _start_on_a_port_in_use() -> int:
+    """Start the embedded config on a port something listens on: it must exit with 2. The port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         assert serve_app.main(["--config", "configs/embedded.yaml", "--port", str(port)]) == 2
-    assert f"http: Serve's proxy cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    return port
 
 
 def test_bad_dtype_device_checkpoints_and_a_small_expert_byte_budget_fail_before_ray_starts(tmp_path, capsys, monkeypatch):
