@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from actors.config import ServeConfig
+from engine.config import ModelConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.yaml_config import load_yaml
 
@@ -52,17 +53,15 @@ def resolve_paths(config: ServeConfig, base: Path) -> None:
         setattr(e, field, str(path))
 
 
-def check_expert_budget(config: ServeConfig) -> None:
+def check_expert_budget(config: ServeConfig, model: ModelConfig) -> None:
     """A byte budget of resident experts must hold one layer's held experts plus the pinned ones
-    (checked here, where the checkpoint's expert size is known, not in every expert actor)."""
+    (checked here, where the target's expert size is known from ``model``, not in every expert actor)."""
     x = config.experts
     if x.max_resident_bytes is None:
         return
-    from engine.config import load_model_config
     from engine.loader import resolve_dtype
     from engine.model.moe import expert_entry_bytes
 
-    model = load_model_config(config.engine.model)
     entry_bytes = expert_entry_bytes(model, resolve_dtype(config.engine.dtype))
     entries = min(x.experts_per_actor, model.moe.num_experts) + x.pinned_hot_experts
     if x.max_resident_bytes < entries * entry_bytes:
@@ -122,8 +121,7 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
 
     address = cluster_address(address)
     resolve_paths(config, base or Path.cwd())
-    config.engine.check_checkpoints()
-    check_expert_budget(config)
+    check_expert_budget(config, config.engine.check_checkpoints())
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
         check_port(config.http.host, config.http.port)
         check_device(config.engine.device)
@@ -168,8 +166,7 @@ def build_app(args: dict):
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     try:
         resolve_paths(config, REPO_ROOT)
-        config.engine.check_checkpoints()
-        check_expert_budget(config)
+        check_expert_budget(config, config.engine.check_checkpoints())
     except (StartupError, CheckpointError, ConfigError) as e:
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     return bind_app(config)

@@ -12,7 +12,7 @@ from engine.drafters.base import Drafter, NoneDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import ConfigError
 from engine.field_types import check_field_types
-from engine.loader import LoadedModel, check_device, load_model, resolve_dtype
+from engine.loader import LoadedModel, check_device_kind, load_model, resolve_dtype
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.scheduler import SchedulerConfig
 from engine.spec_controller import SpeculativePolicy
@@ -76,7 +76,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 setattr(self, name, os.fspath(path))
         check_field_types(self, lambda name, message: ConfigError(f"{name}: {message}"))
         resolve_dtype(self.dtype)  # a bad name fails here, not in every replica that loads the model
-        check_device(self.device)
+        check_device_kind(self.device)
         if self.speculative_method is None and self.draft_model is not None:
             self.speculative_method = "draft"
         if self.speculative_method in ("draft", "eagle3") and self.draft_model is None:
@@ -91,11 +91,11 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError("ngram_min_n/ngram_max_n: need 1 <= ngram_min_n <= ngram_max_n")
 
-    def check_checkpoints(self) -> None:
+    def check_checkpoints(self) -> ModelConfig:
         """The named checkpoints' configs (config.json files only, no weights) against this config:
         the target's and the draft's parse, they share a vocabulary, an EAGLE-3 head fits the
         target. A start-up calls this so a mismatch is one error, not a failure in every replica
-        that loads the models.
+        that loads the models. Returns the target's config (for the start-up's other checks).
 
         Raises:
             CheckpointError: a missing or unparsable config.json (the file named).
@@ -108,6 +108,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             load_eagle3_config(Path(self.draft_model), target)
         elif self.speculative_method == "draft":
             _check_draft_vocab(_model_config(self.draft_model, "draft_model").vocab_size, target.vocab_size)
+        return target
 
     def build_drafter(self, target: LoadedModel, max_model_len: int) -> Drafter:
         """The drafter this config names, sized like the target's scheduler."""

@@ -26,7 +26,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def check_device(device: str) -> None:
+def check_device_kind(device: str) -> None:
     """``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (the engine's kernels and KV cache run on CPU or CUDA);
     raises ConfigError otherwise. Whether a CUDA device exists is the start-up's check, where the
     model runs, not the config's."""
