@@ -149,3 +149,26 @@ def test_a_layers_prefetches_never_evict_each_other_and_mispredictions_expire_as
     assert cache.stats.prefetches_wasted == 1 and cache.stats.prefetches_used == 0
     assert _use(cache, (0, 2)) is Lookup.MISS and _use(cache, (0, 3)) is Lookup.MISS  # (1, 1) evictable now
     assert (1, 1) not in cache and cache.stats.prefetches_wasted == 1  # counted once
+
+
+def test_while_a_layers_run_has_micro_batches_to_come_its_entries_stay_and_its_prefetches_wait():
+    cache = ExpertCache(capacity=3, layer_order=[0, 1, 2])
+    for _ in range(2):  # layer 0 runs twice in a row: two micro-batches
+        cache.begin_call(0)
+        _use(cache, (0, 0))
+    for key in [(1, 0), (1, 1)]:
+        assert cache.reserve_prefetch(key)
+        cache.fill(key, None)
+    cache.begin_call(1)  # micro-batch A of layer 1 (the run is expected to be 2 calls long)
+    assert cache.run_continues() and _use(cache, (1, 0)) is Lookup.HIT
+    cache.expire_prefetches(1)  # B may still use (1, 1)
+    assert cache.stats.prefetches_wasted == 0
+    assert cache.reserve_prefetch((2, 0))  # evicts (0, 0): layer 1's (1, 0) is needed by B next
+    cache.fill((2, 0), None)
+    assert (0, 0) not in cache and (1, 0) in cache
+    cache.begin_call(1)  # micro-batch B: the run's last call
+    assert not cache.run_continues() and _use(cache, (1, 0)) is Lookup.HIT
+    cache.expire_prefetches(1)  # (1, 1) unused by the whole run: wasted
+    assert cache.stats.prefetches_wasted == 1
+    assert cache.reserve_prefetch((2, 1))  # layer 1 is needed furthest now: (1, 1) (LRFU) goes
+    assert (1, 1) not in cache and (1, 0) in cache

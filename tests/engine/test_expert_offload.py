@@ -62,25 +62,68 @@ def test_counters_are_exact_in_a_scripted_case():
         store.drain()
 
     try:
-        run(0, [1, 1, 0, 0])  # 2 misses, loaded on demand
-        run(0, [1, 1, 0, 0], hint=(1, [2, 3, 5]))  # 2 hits; prefetches (1,2) (1,3); 5 is not held
-        run(1, [0, 0, 2, 1])  # 2 hits, both prefetches used
-        run(1, [0, 0, 1, 0], hint=(2, [0, 1]))  # 1 hit; full: the prefetches evict (1, 3) (unused by
-        # this run of layer 1: needed next pass at the earliest), then (0, 0) (layer 0 runs before
-        # layer 1 again; LRFU: older than (0, 1))
-        assert sorted(store.snapshot()["resident"]) == [(0, 1), (1, 2), (2, 0), (2, 1)]
-        run(3, [1, 1, 1, 0])  # 3 misses: evict (1, 2), (0, 1), then an unused prefetch (wasted)
+        run(0, [1, 1, 0, 0], hint=(1, [2, 3, 5]))  # 2 misses, loaded on demand; then prefetches
+        # (1, 2) and (1, 3) into the free slots; 5 is not held
+        run(1, [0, 0, 1, 0], hint=(2, [0, 1]))  # 1 hit (a prefetch used); (1, 3) unused by this run:
+        # wasted. After the compute the prefetches evict layer 1's own entries, (1, 3) then (1, 2)
+        # (the layer that just ran is needed furthest ahead), not layer 0's (it runs first)
+        assert sorted(store.snapshot()["resident"]) == [(0, 0), (0, 1), (2, 0), (2, 1)]
+        run(3, [1, 1, 1, 0])  # 3 misses: evict (0, 0), (0, 1) (LRFU: (0, 0) older), then an unused
+        # prefetch (wasted; tie: lower key)
         first = store.take_stats()
-        run(3, [1, 1, 1, 0])  # 3 hits
+        run(2, [0, 1, 0, 0])  # 1 hit: the other prefetch, used
         second = store.take_stats()
     finally:
         store.close()
-    assert first.as_dict() | {"stall_s": 0} == {"hits": 5, "misses": 5, "loads": 9, "evictions": 5, "prefetches": 4,
-                                               "prefetches_used": 2, "prefetches_wasted": 1, "stall_s": 0}
-    assert first.stall_s > 0 and first.hit_rate == 5 / 10
-    assert second.as_dict() == {"hits": 3, "misses": 0, "loads": 0, "evictions": 0, "prefetches": 0,
-                                "prefetches_used": 0, "prefetches_wasted": 0, "stall_s": 0.0}
-    assert sorted(store.snapshot()["resident"]) == [(2, 1), (3, 0), (3, 1), (3, 2)]  # ties: lower key goes
+    assert first.as_dict() | {"stall_s": 0} == {"hits": 1, "misses": 5, "loads": 9, "evictions": 5, "prefetches": 4,
+                                               "prefetches_used": 1, "prefetches_wasted": 2, "stall_s": 0}
+    assert first.stall_s > 0 and first.hit_rate == 1 / 6
+    assert second.as_dict() == {"hits": 1, "misses": 0, "loads": 0, "evictions": 0, "prefetches": 0,
+                                "prefetches_used": 1, "prefetches_wasted": 0, "stall_s": 0.0}
+    assert sorted(store.snapshot()["resident"]) == [(2, 1), (3, 0), (3, 1), (3, 2)]
+
+
+def test_a_call_uses_its_resident_experts_before_a_miss_can_evict_them():
+    store = _store([0, 1], max_resident=2)
+
+    def run(layer: int, counts: list[int]) -> torch.Tensor:
+        r, w = _rows(counts, layer)
+        out = store.forward(layer, r, torch.tensor(counts), w)
+        assert torch.equal(out, ExpertStore(CheckpointReader(TARGET), CONFIG, [0, 1]).forward(
+            layer, r, torch.tensor(counts), w))
+        return out
+
+    try:
+        run(0, [0, 1])
+        run(1, [1, 0])  # resident: (0, 1), (1, 0)
+        run(0, [1, 1])  # (0, 1) is acquired first (a hit); the miss (0, 0) evicts (1, 0). Acquired in
+        # row order, the miss would evict (0, 1), the layer's own entry, and then miss it too
+    finally:
+        store.close()
+    stats = store.snapshot()
+    assert (stats["hits"], stats["misses"], stats["loads"]) == (1, 3, 3)
+    assert stats["resident"] == [(0, 0), (0, 1)]
+
+
+def test_micro_batches_prefetch_once_per_layer_run_after_its_last_call():
+    store = _store([0, 1], max_resident=4)
+
+    def run(layer: int, counts: list[int], hint) -> None:
+        r, w = _rows(counts, layer)
+        store.forward(layer, r, torch.tensor(counts), w, prefetch=hint)
+        store.drain()
+
+    try:
+        run(0, [1, 0], None)  # micro-batch A
+        run(0, [0, 1], None)  # micro-batch B: layer 0 runs twice in a row
+        run(1, [1, 0], (2, [0]))  # A of layer 1: its hint waits for B
+        assert store.snapshot()["prefetches"] == 0
+        run(1, [0, 1], (2, [1]))  # B: both hints, after the run's last call
+        stats = store.snapshot()
+    finally:
+        store.close()
+    # layer 1's run is over: its entries are needed furthest ahead, so the prefetches evicted them
+    assert stats["prefetches"] == 2 and stats["resident"] == [(0, 0), (0, 1), (2, 0), (2, 1)]
 
 
 def test_prefetch_off_loads_on_demand_only():

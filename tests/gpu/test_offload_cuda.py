@@ -1,6 +1,7 @@
 """Expert offload on CUDA: the pinned-host tier (async copies on a side stream, the compute stream
 waiting on each load's event) gives the rows of the resident CUDA store, with half the entries
-resident and prefetch hints in flight while the layer computes."""
+resident and each layer's prefetches issued right after its compute is queued (their loads
+overwrite slots that compute may still read: the side stream waits for the compute stream)."""
 
 from __future__ import annotations
 
