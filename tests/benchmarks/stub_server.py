@@ -6,6 +6,10 @@ the request arrived and each later one after the scripted gap (scaled by ``itl_s
 from the request's arrival so sleeps do not accumulate drift. Then a usage chunk and ``[DONE]``.
 Chat streams also start with a role-only chunk at once, which must not count as the first token.
 
+Every stream's arrival and content-chunk send times (``time.perf_counter()``, the client's clock:
+both run in one process) are logged in ``StubServer.streams``, so tests compare what the client
+measured with what the stub actually did, not with a sleep that a loaded machine may overshoot.
+
 ``/metrics`` exposes specmoe spec-decode counters (prometheus_client text) that each successful
 request increments by its scripted amounts just before its usage chunk.
 
@@ -18,6 +22,7 @@ import argparse
 import asyncio
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -97,6 +102,17 @@ class SpecCounters:
 
 
 @dataclass
+class StreamLog:
+    """One served stream, times in ``time.perf_counter()`` seconds: arrival, each content chunk's
+    send, and the send of ``[DONE]`` (None if the stream ended otherwise)."""
+
+    prompt: str
+    arrived_s: float
+    chunk_sent_s: list[float] = field(default_factory=list)
+    done_sent_s: float | None = None
+
+
+@dataclass
 class StubConfig:
     ttft_ms: float = TTFT_MS
     itl_scale: float = 1.0
@@ -140,6 +156,7 @@ class StubServer:
         self.config = config or StubConfig()
         self.counters = SpecCounters()
         self.port = port
+        self.streams: list[StreamLog] = []  # in arrival order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -149,7 +166,7 @@ class StubServer:
         return f"http://127.0.0.1:{self.port}"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        arrived = asyncio.get_running_loop().time()
+        arrived = time.perf_counter()  # one clock for the schedule and the log
         try:
             method, target, _ = (await reader.readline()).decode().split(" ", 2)
             headers = {}
@@ -180,7 +197,8 @@ class StubServer:
     async def _stream(self, request: dict, chat: bool, writer, arrived: float) -> None:
         prompt = request["messages"][-1]["content"] if chat else request["prompt"]
         script = SCRIPTS[prompt]
-        loop = asyncio.get_running_loop()
+        log = StreamLog(prompt, arrived)
+        self.streams.append(log)
         await asyncio.sleep(script.stall_s)
         if script.fail_status is not None:
             error = {
@@ -198,7 +216,7 @@ class StubServer:
         gaps_ms = (0.0,) + tuple(script.chunk_gaps_ms)
         for i, (gap_ms, tokens) in enumerate(zip(gaps_ms, script.chunk_tokens, strict=True)):
             due_s += gap_ms * self.config.itl_scale / 1e3
-            await asyncio.sleep(max(0.0, due_s - loop.time()))
+            await asyncio.sleep(max(0.0, due_s - time.perf_counter()))
             if i == 1 and script.mid_stream_error:
                 return await _send_event(writer, json.dumps({"error": {"message": script.mid_stream_error}}))
             if i == 1 and script.raw_event is not None:
@@ -206,6 +224,7 @@ class StubServer:
             if i == 1 and script.truncate:
                 writer.write(b"0\r\n\r\n")
                 return await writer.drain()
+            log.chunk_sent_s.append(time.perf_counter())
             await _send_event(writer, _chunk(chat, "tok" * tokens))
         self.counters.record(script)
         usage = {
@@ -214,6 +233,7 @@ class StubServer:
             "total_tokens": script.prompt_tokens + script.output_tokens,
         }
         await _send_event(writer, _chunk(chat, None, usage=usage))
+        log.done_sent_s = time.perf_counter()
         await _send_event(writer, "[DONE]")
         writer.write(b"0\r\n\r\n")
         await writer.drain()

@@ -1,7 +1,8 @@
 """Serving benchmark metrics: pure functions exactly, and a full run against the scripted stub.
 
 Pure metric tests use binary-exact inputs and compare with ``==`` (no tolerance). The stub test
-compares what the client measured with the stub's script within ``TOL_S`` (sleeps are real), and
+compares what the client measured with what the stub logged it did within ``TOL_S`` (sleeps are
+real, and a loaded machine makes them late: the script is only a lower bound), and
 checks that every aggregate equals an independent recomputation from the recorded timestamps exactly.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import numpy as np
 import pytest
 
 from benchmarks.serving.acceptance import (
@@ -32,11 +34,13 @@ from benchmarks.serving.report import format_run
 from tests.benchmarks.helpers import (
     MEASURED,
     TOL_S,
+    assert_client_saw,
     assert_summary_close,
     assert_summary_exact,
+    closed_loop_starts,
     run,
     scripted,
-    scripted_starts,
+    served,
 )
 from tests.benchmarks.stub_server import SCRIPTS, StubConfig, StubServer
 
@@ -192,20 +196,24 @@ def test_metrics_against_scripted_server(stub, concurrency):
     assert list(by_key) == MEASURED  # results come back in dispatch order
     ok = [k for k in MEASURED if k != "fail"]
 
-    # Per request, against the script. Send times and the duration get twice the tolerance: each
-    # request's client/connection overhead (~1-3 ms) adds up along a worker's sequence.
-    starts, makespan_s = scripted_starts(MEASURED, concurrency)
+    # Per request, against what the stub did (its log of sends, on the client's clock). Send times
+    # and the duration get twice the tolerance: each request's client/connection overhead (~1-3 ms)
+    # adds up along a worker's sequence.
+    durations_s = [by_key[k].e2e_s if k != "fail" else 0.0 for k in MEASURED]
+    starts, makespan_s = closed_loop_starts(durations_s, concurrency)
     for key, start_s in zip(MEASURED, starts, strict=True):
         r = by_key[key]
         assert r.start_s == pytest.approx(start_s, abs=2 * TOL_S), key
         if key == "fail":
             assert not r.success and r.error == "HTTP 400: scripted failure: prompt is too long"
             continue
-        exp = scripted(key)
+        exp = served(stub, key)
         assert r.success and r.error is None
         assert (r.output_tokens, r.prompt_tokens) == (SCRIPTS[key].output_tokens, SCRIPTS[key].prompt_tokens)
-        assert r.chunk_offsets_s == pytest.approx(exp["offsets"], abs=TOL_S), key
-        assert r.e2e_s == pytest.approx(exp["e2e"], abs=TOL_S), key
+        assert len(r.chunk_offsets_s) == len(SCRIPTS[key].chunk_tokens), key
+        assert_client_saw(r, exp)
+        # The stub kept to its script: nothing early (a loaded machine may only make it late).
+        assert np.all(np.array(exp["offsets"]) >= np.array(scripted(key)["offsets"]) - 1e-3), key
 
     m = result.metrics
     assert (m.completed, m.failed) == (4, 1)
@@ -214,7 +222,6 @@ def test_metrics_against_scripted_server(stub, concurrency):
     assert m.duration_s == pytest.approx(makespan_s, abs=2 * TOL_S)
     assert m.request_throughput_per_s == 4 / m.duration_s
     assert m.output_throughput_tok_per_s == 18 / m.duration_s
-    assert m.request_throughput_per_s == pytest.approx(4 / makespan_s, rel=0.05)
 
     # Aggregates: exactly the definitions applied to the recorded timestamps ...
     recorded = [by_key[k] for k in ok]
@@ -227,12 +234,13 @@ def test_metrics_against_scripted_server(stub, concurrency):
     assert_summary_exact(m.itl, itls)
     assert_summary_exact(m.tpot, tpots)
     assert_summary_exact(m.e2e, [r.e2e_s for r in recorded])
-    # ... and close to the script's values (TPOTs: 20 ms, 40 ms, 100/7 ms; gamma has one token).
-    assert_summary_close(m.ttft, [scripted(k)["offsets"][0] for k in ok])
-    assert_summary_close(m.itl, [g for k in ok for g in scripted(k)["itls"]])
+    # ... and close to what the stub did (scripted TPOTs: 20 ms, 40 ms, 100/7 ms; gamma has one token).
+    # TTFT and e2e include each request's trip to the stub (up to 2 TOL_S, see assert_client_saw).
+    assert_summary_close(m.ttft, [served(stub, k)["offsets"][0] for k in ok], tol_s=2 * TOL_S)
+    assert_summary_close(m.itl, [g for k in ok for g in served(stub, k)["itls"]])
     assert [scripted(k)["tpot"] for k in ok] == pytest.approx([0.020, 0.040, None, 0.100 / 7])
-    assert_summary_close(m.tpot, [0.020, 0.040, 0.100 / 7])
-    assert_summary_close(m.e2e, [scripted(k)["e2e"] for k in ok])
+    assert_summary_close(m.tpot, [t for k in ok if (t := served(stub, k)["tpot"]) is not None])
+    assert_summary_close(m.e2e, [served(stub, k)["e2e"] for k in ok], tol_s=2 * TOL_S)
     assert m.itl.count == 4 + 2 + 0 + 5
 
     # Acceptance: deltas of the measured requests only (the warm-up's increments came before).
