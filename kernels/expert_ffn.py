@@ -88,16 +88,27 @@ def expert_ffn_reference(
     return out
 
 
+# ATen's vectorised elementwise loop runs a contiguous tensor in blocks of two SIMD vectors (32
+# floats with AVX-512) and its remainder through the scalar function, whose exp can differ from the
+# vector one by an ulp: F.silu over all rows at once gives a group the same bits as over its rows
+# alone only if no group boundary falls inside a block, i.e. the intermediate size is a multiple of
+# the block (64 covers every x86 and Arm width). Seen on an AVX-512 EPYC with an intermediate size
+# of 40: grouped and per-expert results differed in the last bits.
+_SILU_BLOCK = 64
+
+
 def _grouped(hidden: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> bool:
     """Whether the experts run as ``F.grouped_mm`` calls (the same bits as one SwiGLU per expert).
 
     On a small model every op is mostly dispatch cost, so three grouped GEMMs beat three GEMMs and
     two elementwise ops per used expert; but CPU ``grouped_mm`` runs one GEMM per group, empty ones
     included, so only when at least half the experts are used. CPU only (``grouped_mm`` on GPUs is
-    for bf16 on recent ones, and CUDA takes the Triton kernel), and for operands it takes.
+    for bf16 on recent ones, and CUDA takes the Triton kernel), for operands it takes, and for an
+    intermediate size that keeps the one ``F.silu`` over all groups bit-identical (``_SILU_BLOCK``).
     """
     used = sum(1 for c in counts if c)
     return (hidden.device.type == "cpu" and 2 * used >= len(counts)
+            and weights[0].shape[-2] % _SILU_BLOCK == 0
             and _grouped_mm_layout_ok(hidden, *(w.mT for w in weights)))
 
 

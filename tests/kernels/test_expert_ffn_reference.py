@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.expert_ffn import expert_ffn_reference, linear_layout, swiglu
+from kernels.expert_ffn import _grouped, expert_ffn_reference, linear_layout, swiglu
 
 
 def test_linear_layout_is_column_major_with_the_same_values():
@@ -26,16 +26,19 @@ def test_linear_layout_leaves_vectors_alone():
     assert linear_layout(v) is v
 
 
+@pytest.mark.parametrize("inter", [40, 64])
 @pytest.mark.parametrize("counts", [[0, 2, 0, 0, 0, 1], [3, 1, 2, 0, 4, 1]], ids=["few-experts", "most-experts"])
-def test_reference_runs_each_used_expert_on_its_rows(counts):
-    # Few used experts loop over them, most take the grouped GEMMs: each expert's own SwiGLU of its
-    # rows, bit for bit, either way.
-    g = torch.Generator().manual_seed(sum(counts))
-    num, hidden, inter = len(counts), 24, 40
+def test_reference_runs_each_used_expert_on_its_rows(counts, inter):
+    # Few used experts loop over them, most take the grouped GEMMs where the intermediate size keeps
+    # one F.silu over all rows bit-identical (a multiple of 64; 40 is not): each expert's own SwiGLU
+    # of its rows, bit for bit, either way.
+    g = torch.Generator().manual_seed(sum(counts) + inter)
+    num, hidden = len(counts), 24
     wg, wu = (linear_layout(torch.randn(num, inter, hidden, generator=g)) for _ in range(2))
     wd = linear_layout(torch.randn(num, hidden, inter, generator=g))
     x = torch.randn(sum(counts), hidden, generator=g)
     rw = torch.rand(sum(counts), generator=g)
+    assert _grouped(x, counts, wg, wu, wd) == (counts == [3, 1, 2, 0, 4, 1] and inter == 64)
     got = expert_ffn_reference(x, torch.tensor(counts), wg, wu, wd, rw)
     want, start = [], 0
     for e, n in enumerate(counts):
@@ -43,6 +46,16 @@ def test_reference_runs_each_used_expert_on_its_rows(counts):
             want.append(swiglu(x[start:start + n], wg[e], wu[e], wd[e]))
             start += n
     assert torch.equal(got, torch.cat(want) * rw[:, None])
+
+
+def test_silu_split_on_block_boundaries_keeps_its_bits():
+    # The premise of the grouped path: F.silu over all rows gives each group's rows the bits of F.silu
+    # over that group alone when groups are whole multiples of 64 elements (ATen computes only a
+    # tensor's remainder past its last two-vector block with the scalar function).
+    x = torch.randn(64 * 37, generator=torch.Generator().manual_seed(5)) * 5
+    whole = F.silu(x)
+    for sizes in ([64] * 37, [128, 64, 1024, 192, 960], [64 * 36, 64]):
+        assert torch.equal(torch.cat([F.silu(part) for part in x.split(sizes)]), whole)
 
 
 def test_reference_without_grouped_mm_strides_gives_the_same_bits():
