@@ -9,6 +9,12 @@ controller (``speculative_policy: adaptive``, k at most ``--max-k``), and with `
 of those drafting ahead as well (``pipelined_drafting``, "+pipe"). Every configuration runs
 ``--repeats`` times, interleaved (A B C A B C ...) so machine drift hits all alike; the median
 run counts. Ratios are against ``none`` at the same batch size, in the same run.
+
+Every request produces exactly ``--max-tokens`` tokens (EOS ignored) unless ``--dataset-lengths``:
+then each produces its dataset row's ``max_tokens`` (the held-out continuation's length, 9-128
+tokens), as requests of a real workload differ. With equal lengths plain decoding keeps a batch's
+sequences finishing together, so the next prompts are prefilled together, while drafting (each
+sequence advancing by its own accepted count) admits them one by one into mixed steps.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def label(config: tuple[str, int, bool]) -> str:
     return (name if name in ("none", "adaptive") else f"k={k}") + ("+pipe" if pipelined else "")
 
 
-def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float, dict]:
+def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[int, float, dict]:
     before = llm.get_metrics()
     with Timer() as t:
         outs = llm.generate(prompts, params)
@@ -50,10 +56,10 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tupl
                                  "accepted": after["num_accepted_tokens"] - before["num_accepted_tokens"]}
 
 
-def sweep_batch(prompts, batch: int, configs: list[tuple[str, int]], params: SamplingParams, repeats: int):
+def sweep_batch(prompts, batch: int, configs: list[tuple[str, int]], params: list[SamplingParams], repeats: int):
     engines = {c: build(c[0], c[1], batch, c[2]) for c in configs}
     for llm in engines.values():
-        llm.generate(prompts[: max(batch, 2)], params)  # warm-up (and the controller's warm-up)
+        llm.generate(prompts[: max(batch, 2)], params[: max(batch, 2)])  # warm-up (and the controller's warm-up)
     times: dict = {c: [] for c in configs}
     extra: dict = {}
     for _ in range(repeats):
@@ -80,6 +86,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dataset-lengths", action="store_true",
+                        help="each request's output length from its dataset row (not --max-tokens)")
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--fixed-ks", default="2,4,6")
     parser.add_argument("--max-k", type=int, default=8, help="the adaptive controller's maximum k")
@@ -90,8 +98,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     tok = LLM(TARGET).tokenizer
-    prompts = [tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in load_prompts(args.num_prompts)]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
+    rows = load_prompts(args.num_prompts)
+    prompts = [tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in rows]
+    lengths = [r["max_tokens"] if args.dataset_lengths else args.max_tokens for r in rows]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in lengths]
     spec = [("fixed", int(k)) for k in args.fixed_ks.split(",")] + [("adaptive", args.max_k)]
     configs = [("none", 0, False)] + [(n, k, False) for n, k in spec] + \
         ([(n, k, True) for n, k in spec] if args.pipelined else [])
