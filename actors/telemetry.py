@@ -264,6 +264,8 @@ class RequestTelemetry:
         if self.tracker is not None and status < 400:
             self.tracker.on_finish(reasons[0] if self.usage else reason_if_unfinished, prompt, output,
                                    queue_time_s=self.queue_time_s)
+        elif self.tracker is not None and status == 503 and not self.num_tokens:
+            self.tracker.on_refused()  # load shed or unavailable: not a failed request
         elif self.tracker is not None and status >= 500:
             self.tracker.on_finish("error", 0, 0)  # refused requests (4xx) are not finished requests
         self.trace.end(status, sc.gen_ai_response_attributes(

@@ -68,6 +68,12 @@ class RequestMetrics:
                                 m + ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
             self._success.labels(name, reason)
+        # Load shedding is not a failure of the request: a dashboard tells it from errors, and its
+        # near-instant answers stay out of the latency histograms.
+        self._refused = Counter(P + "request_refused_total",
+                                "Requests refused with HTTP 503 before any output (a full queue, a TTFT "
+                                "budget that cannot be met, a restarting or stopping server); not finished "
+                                "requests and not in the latency histograms.", m, registry=r).labels(name)
         self.prompt_tokens = Counter(P + "prompt_tokens_total", "Prompt tokens of finished requests.",
                                      m, registry=r).labels(name)
         self.generation_tokens = Counter(P + "generation_tokens_total", "Output tokens generated.",
@@ -165,6 +171,15 @@ class RequestTracker:
         self.last_token_time = t
         self.num_tokens += n
         self.metrics.generation_tokens.inc(n)
+
+    @safe
+    def on_refused(self) -> None:
+        """The request was refused (HTTP 503) before any output: counted apart from finished ones."""
+        if self.finished:
+            return
+        self.finished = True
+        self._move_to(None)
+        self.metrics._refused.inc()
 
     @safe
     def on_finish(self, reason: str, prompt_tokens: int, output_tokens: int, t: float | None = None,

@@ -99,3 +99,19 @@ def test_merged_streams_equal_the_offline_api(reference, stream, delay_s):
             assert len(steps) == 2 and len(steps[0]["choices"][0]["new_token_ids"]) <= 4
             assert sum(n for _, n in steps[1]["steps"]) == 24 - len(steps[0]["choices"][0]["new_token_ids"])
             assert all(age >= 0 for age, _ in steps[1]["steps"])
+
+
+@pytest.mark.parametrize(("status", "tokens", "refused", "errors"), [(503, 0, 1, 0), (500, 0, 0, 1), (503, 2, 0, 1)])
+def test_telemetry_counts_a_503_before_any_output_as_refused_not_failed(status, tokens, refused, errors):
+    from observability.request_metrics import RequestMetrics
+
+    metrics = RequestMetrics("m")
+    tel = RequestTelemetry(metrics, "/v1/completions", {}, "text_completion", "m", arrival_s=time.monotonic())
+    if tokens:  # a stream that had started, then ended by a 503 (a stopping server): a failed request
+        tel.on_item({"type": "step", "finished": False,
+                     "choices": [{"index": 0, "new_token_ids": [1, 2], "finish_reason": None}]})
+    tel.finish(status, "cmpl-1")
+    r = metrics.registry
+    assert r.get_sample_value("specmoe:request_refused_total", {"model_name": "m"}) == refused
+    assert r.get_sample_value("specmoe:request_success_total",
+                              {"model_name": "m", "finished_reason": "error"}) == errors

@@ -210,3 +210,16 @@ def test_finish_reason_series_are_exported_at_zero_before_any_request():
     assert value(rm.registry, "specmoe:request_success_total", finished_reason="unknown") is None
     rm.track(0.0).on_finish("length", 3, 2)
     assert value(rm.registry, "specmoe:request_success_total", finished_reason="length") == 1
+
+
+def test_a_refused_request_is_counted_apart_from_finished_ones():
+    rm = RequestMetrics("tiny-moe")
+    assert value(rm.registry, "specmoe:request_refused_total") == 0  # exported before any refusal
+    rm.track(0.0).on_refused()
+    tracker = rm.track(0.0)
+    tracker.on_refused()
+    tracker.on_finish("error", 0, 0)  # a second close is ignored
+    assert value(rm.registry, "specmoe:request_refused_total") == 2
+    assert value(rm.registry, "specmoe:request_success_total", finished_reason="error") == 0
+    assert value(rm.registry, "specmoe:e2e_request_latency_seconds_count") == 0
+    assert value(rm.registry, "specmoe:num_requests_waiting") == 0
