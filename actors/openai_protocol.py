@@ -134,9 +134,10 @@ class CompletionRequest(_Sampling, kw_only=True):
                 and not is_token_ids(self.prompt):
             raise ProtocolError("'prompt' token ids must be integers", "prompt")
         if isinstance(self.prompt, list) and self.prompt and not is_token_ids(self.prompt):
-            if len(self.prompt) != 1:
+            if len(self.prompt) == 1:
+                self.prompt = self.prompt[0]
+            elif all(isinstance(p, (str, list)) for p in self.prompt):  # else a type error below
                 raise ProtocolError("batched prompts are not supported: send one request per prompt", "prompt")
-            self.prompt = self.prompt[0]
         # The type before emptiness: a one-element list's element may be anything ([null], [{}]).
         if not isinstance(self.prompt, str) and not is_token_ids(self.prompt):
             raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")

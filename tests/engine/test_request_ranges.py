@@ -58,8 +58,10 @@ def test_prompt_checks_name_their_parameter(ids, max_tokens, param, code):
 @pytest.mark.parametrize(("prompt", "message"), [
     ([None], "must be a string or a list of token ids"), ([{}], "must be a string or a list of token ids"),
     ([[]], "must not be empty"), ([""], "must not be empty"), (["a", "b"], "batched prompts are not supported"),
+    ([[1, 2], [3]], "batched prompts are not supported"), (["a", 5], "must be a string or a list of token ids"),
 ])
 def test_a_one_element_prompt_list_is_judged_by_its_element(prompt, message):
+    # A list of strings or of token-id lists is a batch (unsupported); any other list is a type error.
     with pytest.raises(ProtocolError, match=message) as err:
         decode_request(msgspec.json.encode({"model": "m", "prompt": prompt}), CompletionRequest)
     assert err.value.param == "prompt"
