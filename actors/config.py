@@ -10,6 +10,13 @@ from engine.args import EngineArgs
 from observability.tracing import TracingConfig
 
 
+def _require(ok: bool, field: str, rule: str, value: object) -> None:
+    """A config check: ``ValueError("<field> must be <rule>, got <value>")`` unless ``ok`` (msgspec
+    adds the path of the section, e.g. `` - at `$.experts` ``)."""
+    if not ok:
+        raise ValueError(f"{field} must be {rule}, got {value!r}")
+
+
 class ReplicationConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Online replication of hot expert groups (``experts.replication``; EPLB-like, DeepSeek-V3's
     redundant experts): a replica of a hot group is hosted by another expert actor with a free
@@ -47,14 +54,14 @@ class ReplicationConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ValueError(f"{p}hot_factor must be > 1, got {self.hot_factor}")
         if not 0 <= self.cold_factor < self.hot_factor:
             raise ValueError(f"{p}cold_factor must be >= 0 and < {p}hot_factor, got {self.cold_factor}")
-        if self.patience_checks < 1 or self.check_every_dispatches < 1:
-            raise ValueError(f"{p}patience_checks and {p}check_every_dispatches must be >= 1")
+        _require(self.patience_checks >= 1, f"{p}patience_checks", ">= 1", self.patience_checks)
+        _require(self.check_every_dispatches >= 1, f"{p}check_every_dispatches", ">= 1", self.check_every_dispatches)
         if not 0 < self.load_alpha <= 1:
             raise ValueError(f"{p}load_alpha must be in (0, 1], got {self.load_alpha}")
         if not self.min_interval_s >= 0:
             raise ValueError(f"{p}min_interval_s must be >= 0, got {self.min_interval_s}")
-        if self.guest_slots_per_actor < 0 or self.max_replicas_per_group < 0:
-            raise ValueError(f"{p}guest_slots_per_actor and {p}max_replicas_per_group must be >= 0")
+        _require(self.guest_slots_per_actor >= 0, f"{p}guest_slots_per_actor", ">= 0", self.guest_slots_per_actor)
+        _require(self.max_replicas_per_group >= 0, f"{p}max_replicas_per_group", ">= 0", self.max_replicas_per_group)
 
 
 class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -167,17 +174,18 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
     def __post_init__(self) -> None:
         self._check_offload()
-        if self.experts_per_actor < 1:
-            raise ValueError("experts.experts_per_actor must be >= 1")
-        if self.replicas < 1 or any(r < 1 for r in self.hot_expert_replicas.values()):
-            raise ValueError("experts.replicas and experts.hot_expert_replicas values must be >= 1")
-        if any(v <= 0 for v in self.resources.values()):
-            raise ValueError("experts.resources values must be > 0")
-        if self.call_timeout_s <= 0 or self.max_attempts < 1:
-            raise ValueError("experts.call_timeout_s must be > 0 and experts.max_attempts >= 1")
-        if self.graph_idle_park_s <= 0 or self.graph_buffer_size_bytes < 1024 or self.graph_build_after_s < 0:
-            raise ValueError("experts.graph_idle_park_s must be > 0, experts.graph_buffer_size_bytes >= 1024 "
-                             "and experts.graph_build_after_s >= 0")
+        _require(self.experts_per_actor >= 1, "experts.experts_per_actor", ">= 1", self.experts_per_actor)
+        _require(self.replicas >= 1, "experts.replicas", ">= 1", self.replicas)
+        for group, n in self.hot_expert_replicas.items():
+            _require(n >= 1, f"experts.hot_expert_replicas.{group}", ">= 1", n)
+        for name, v in self.resources.items():
+            _require(v > 0, f"experts.resources.{name}", "> 0", v)
+        _require(self.call_timeout_s > 0, "experts.call_timeout_s", "> 0", self.call_timeout_s)
+        _require(self.max_attempts >= 1, "experts.max_attempts", ">= 1", self.max_attempts)
+        _require(self.graph_idle_park_s > 0, "experts.graph_idle_park_s", "> 0", self.graph_idle_park_s)
+        _require(self.graph_buffer_size_bytes >= 1024, "experts.graph_buffer_size_bytes", ">= 1024",
+                 self.graph_buffer_size_bytes)
+        _require(self.graph_build_after_s >= 0, "experts.graph_build_after_s", ">= 0", self.graph_build_after_s)
         if not 0 < self.hedge_quantile <= 1:
             raise ValueError(f"experts.hedge_quantile must be in (0, 1], got {self.hedge_quantile}")
         if not self.hedge_factor >= 1:
@@ -239,10 +247,12 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     resources: dict[str, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 1 or self.max_ongoing_requests < 1:
-            raise ValueError("num_replicas and max_ongoing_requests must be >= 1")
-        if self.graceful_shutdown_timeout_s < 0 or self.graceful_shutdown_wait_loop_s <= 0:
-            raise ValueError("graceful_shutdown_timeout_s must be >= 0 and graceful_shutdown_wait_loop_s > 0")
+        _require(self.num_replicas >= 1, "num_replicas", ">= 1", self.num_replicas)
+        _require(self.max_ongoing_requests >= 1, "max_ongoing_requests", ">= 1", self.max_ongoing_requests)
+        _require(self.graceful_shutdown_timeout_s >= 0, "graceful_shutdown_timeout_s", ">= 0",
+                 self.graceful_shutdown_timeout_s)
+        _require(self.graceful_shutdown_wait_loop_s > 0, "graceful_shutdown_wait_loop_s", "> 0",
+                 self.graceful_shutdown_wait_loop_s)
 
 
 class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -292,5 +302,4 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.request_timeout_s <= 0:
-            raise ValueError("request_timeout_s must be > 0")
+        _require(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)

@@ -108,7 +108,12 @@ def test_cluster_address_treats_local_as_start_here(monkeypatch, cli, env, expec
 
 
 @pytest.mark.parametrize("section, culprit", [
-    ("experts:\n  experts_per_actor: 0\n", "experts_per_actor"),
+    ("experts:\n  experts_per_actor: 0\n", "experts.experts_per_actor must be >= 1, got 0 - at `$.experts`"),
+    # One field per message, with its value (several fields used to share one message).
+    ("experts:\n  max_attempts: 0\n", "experts.max_attempts must be >= 1, got 0 - at `$.experts`"),
+    ("experts:\n  hot_expert_replicas: {3: 0}\n", "experts.hot_expert_replicas.3 must be >= 1, got 0"),
+    ("verifier:\n  max_ongoing_requests: -2\n", "max_ongoing_requests must be >= 1, got -2 - at `$.verifier`"),
+    ("request_timeout_s: -1\n", "request_timeout_s must be > 0, got -1.0"),
     # A class's name is in the message (msgspec's own path shows a dict key as [...]).
     ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      fast: {ttft_ms: 100}\n      slow: {ttft_ms: -5}\n",
      "slo_classes.slow.ttft_ms must be > 0, got -5.0 - at `$.engine.scheduler`"),

@@ -55,10 +55,12 @@ def _attach(llm: LLM, checkpoint: str, **config) -> ExpertRouter:
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("hot_factor", 1.0, "experts.replication.hot_factor must be > 1"),
     ("cold_factor", 1.3, "experts.replication.cold_factor must be >= 0 and < experts.replication.hot_factor"),
-    ("patience_checks", 0, "experts.replication.patience_checks and"),
+    ("patience_checks", 0, "experts.replication.patience_checks must be >= 1, got 0"),
+    ("check_every_dispatches", -2, "experts.replication.check_every_dispatches must be >= 1, got -2"),
     ("load_alpha", 0.0, "experts.replication.load_alpha must be in"),
     ("min_interval_s", -1.0, "experts.replication.min_interval_s must be >= 0"),
-    ("guest_slots_per_actor", -1, "experts.replication.guest_slots_per_actor and"),
+    ("guest_slots_per_actor", -1, "experts.replication.guest_slots_per_actor must be >= 0, got -1"),
+    ("max_replicas_per_group", -1, "experts.replication.max_replicas_per_group must be >= 0, got -1"),
 ])
 def test_replication_config_errors_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
