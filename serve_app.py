@@ -69,14 +69,35 @@ def check_expert_budget(config: ServeConfig, model: ModelConfig) -> None:
                            f"{entries} held and pinned experts of {entry_bytes} bytes), got {x.max_resident_bytes}")
 
 
-def check_port(host: str, port: int) -> None:
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why ``host:port`` cannot be bound now (None: it can)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
-            raise StartupError(f"http: cannot listen on {host}:{port} ({e.strerror}); is another server "
-                               f"running? Pick another port in the config or with --port") from e
+            return e
+    return None
+
+
+def check_port(host: str, port: int) -> None:
+    if (e := _bind_error(host, port)) is not None:
+        raise StartupError(f"http: cannot listen on {host}:{port} ({e.strerror}); is another server "
+                           f"running? Pick another port in the config or with --port") from e
+
+
+def proxy_start_error(host: str, port: int, error: Exception) -> StartupError:
+    """What ``serve.start`` failing means: the port taken since :func:`check_port` (Ray's own
+    processes pick ephemeral ports as they start), or, with the port free, the proxy itself failed
+    (Serve kills and replaces a proxy that misses its readiness checks, e.g. on an overloaded
+    machine); saying "port taken" then sent users looking for another server."""
+    if _bind_error(host, port) is not None:
+        return StartupError(f"http: Serve's proxy cannot listen on {host}:{port} ({type(error).__name__}); "
+                            f"pick another port in the config or with --port")
+    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return StartupError(f"http: Serve's proxy did not start on {host}:{port}, which is free ({type(error).__name__}"
+                        f"{': ' + first_line if first_line else ''}); Serve replaces a proxy that misses its "
+                        f"readiness checks, as on an overloaded machine: see the log above, and retry")
 
 
 def ray_env() -> dict:
@@ -136,10 +157,8 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     try:
         serve.start(proxy_location=config.http.proxy_location,
                     http_options={"host": config.http.host, "port": config.http.port})
-    except Exception as e:  # RayTaskError from the proxy: the port was free at check_port, then taken
-        # (Ray's own processes pick ephemeral ports as they start)
-        raise StartupError(f"http: Serve's proxy cannot listen on {config.http.host}:{config.http.port} "
-                           f"({type(e).__name__}); pick another port in the config or with --port") from e
+    except Exception as e:  # RayTaskError / ActorDiedError from the proxy
+        raise proxy_start_error(config.http.host, config.http.port, e) from e
     serve.run(bind_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.http.host}:{config.http.port}"
     _wait_healthy(url, wait_ready_s)

@@ -37,6 +37,21 @@ def test_a_port_taken_after_the_check_is_a_clear_startup_error(capsys, monkeypat
     assert f"http: Serve's proxy cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
+def test_a_proxy_that_dies_on_a_free_port_is_not_called_a_port_clash():
+    """Serve kills a proxy that misses its readiness checks (seen with the 2 cores saturated): with
+    the port free, the error says the proxy failed rather than sending users after another server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        taken = serve_app.proxy_start_error("127.0.0.1", port, RuntimeError("x"))
+    free = serve_app.proxy_start_error("127.0.0.1", port, RuntimeError("The actor died unexpectedly\nmore"))
+    assert str(taken) == (f"http: Serve's proxy cannot listen on 127.0.0.1:{port} (RuntimeError); pick another "
+                          f"port in the config or with --port")
+    assert f"proxy did not start on 127.0.0.1:{port}, which is free (RuntimeError: The actor died unexpectedly)" \
+        in str(free) and "more" not in str(free)
+
+
 def _start_on_a_port_in_use() -> int:
     """Start the embedded config on a port something listens on: it must exit with 2. The port."""
     with socket.socket() as s:
