@@ -94,7 +94,7 @@ def proxy_start_error(host: str, port: int, error: Exception) -> StartupError:
     if _bind_error(host, port) is not None:
         return StartupError(f"http: Serve's proxy cannot listen on {host}:{port} ({type(error).__name__}); "
                             f"pick another port in the config or with --port")
-    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
     return StartupError(f"http: Serve's proxy did not start on {host}:{port}, which is free ({type(error).__name__}"
                         f"{': ' + first_line if first_line else ''}); Serve replaces a proxy that misses its "
                         f"readiness checks, as on an overloaded machine: see the log above, and retry")

@@ -172,25 +172,28 @@ class RequestTracker:
         self.num_tokens += n
         self.metrics.generation_tokens.inc(n)
 
+    def _close(self) -> bool:
+        """Leave the in-flight gauges once; False if the request was already closed."""
+        if self.finished:
+            return False
+        self.finished = True
+        self._move_to(None)
+        return True
+
     @safe
     def on_refused(self) -> None:
         """The request was refused (HTTP 503) before any output: counted apart from finished ones."""
-        if self.finished:
-            return
-        self.finished = True
-        self._move_to(None)
-        self.metrics._refused.inc()
+        if self._close():
+            self.metrics._refused.inc()
 
     @safe
     def on_finish(self, reason: str, prompt_tokens: int, output_tokens: int, t: float | None = None,
                   queue_time_s: float | None = None) -> None:
         """The request finished (or was aborted) at ``t``; token counts are the final totals."""
-        if self.finished:
+        if not self._close():
             return
-        self.finished = True
         t = time.monotonic() if t is None else t
         m = self.metrics
-        self._move_to(None)
         m._success.labels(m.model_name, reason or "unknown").inc()
         m.prompt_tokens.inc(max(0, prompt_tokens))
         if output_tokens > self.num_tokens:  # tokens never reported through on_tokens
