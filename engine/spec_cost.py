@@ -22,6 +22,8 @@ Step time is learned from the steps the engine actually runs, never from constan
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -30,6 +32,11 @@ from engine.model.moe import submit_experts
 
 class OnlineLinearCost:
     """``seconds ~= theta . features`` fitted online; ``theta >= 0``.
+
+    A handful of features (3-4), so the statistics, the solve and the predictions are plain Python
+    floats: the controller updates and reads this every engine step, right after a forward has
+    evicted the caches, where numpy's per-call overhead on 3x3 arrays cost ~40 us a step in
+    place (a solve ~0.2 ms) against ~1.3 ms for a whole batch-1 step of the bundled pair.
 
     Args:
         num_features: length of every feature vector (include a constant 1 for a fixed cost).
@@ -40,19 +47,17 @@ class OnlineLinearCost:
         warmup: observations taken at full weight before the residual scale is trusted.
         relative_floor: the residual scale is at least this fraction of the prediction.
         resolve_every: observations after which the fit is solved again even if nothing predicted
-            (a solve costs ~0.1 ms; predictions solve whatever is pending first).
+            (predictions solve whatever is pending first).
     """
 
     def __init__(self, num_features: int, forgetting: float = 0.97, ridge: float = 1e-3, huber: float = 2.0,
                  warmup: int = 8, relative_floor: float = 0.05, resolve_every: int = 8) -> None:
-        self.xtx = np.zeros((num_features, num_features))
-        self.xty = np.zeros(num_features)
+        self.xtx = [[0.0] * num_features for _ in range(num_features)]  # weighted Gram matrix
+        self.xty = [0.0] * num_features
         self.forgetting, self.ridge, self.huber, self.warmup = forgetting, ridge, huber, warmup
         self.relative_floor, self.resolve_every = relative_floor, resolve_every
         self.num_observations = 0
-        # The coefficients as Python floats: a step's scalar predictions without numpy's per-call
-        # overhead (``theta`` gives them as an array).
-        self._coef = [0.0] * num_features
+        self._coef = [0.0] * num_features  # the fitted coefficients (``theta`` as an array)
         self._pending = 0  # observations since the last solve
         self.residual_scale_s = 0.0  # EW mean absolute residual of the (weighted) fit, seconds
 
@@ -72,9 +77,12 @@ class OnlineLinearCost:
         clipped = min(residual, limit) if trusted else residual
         self.residual_scale_s += (clipped - self.residual_scale_s) * \
             ((1.0 - self.forgetting) if trusted else 1.0 / (self.num_observations + 1))
-        x = np.asarray(features, dtype=np.float64)
-        self.xtx = self.forgetting * self.xtx + w * np.outer(x, x)
-        self.xty = self.forgetting * self.xty + w * x * seconds
+        f = self.forgetting
+        for row, xi in zip(self.xtx, features):  # xtx <- f xtx + w x x^T, xty <- f xty + w x y
+            wxi = w * float(xi)
+            for j, xj in enumerate(features):
+                row[j] = f * row[j] + wxi * float(xj)
+        self.xty = [f * b + w * float(xi) * seconds for b, xi in zip(self.xty, features)]
         self.num_observations += 1
         self._pending += 1  # solved when a prediction needs it: a run of steps nothing predicts for
         # (plain decoding the realised check keeps off) pays one solve per resolve_every
@@ -87,26 +95,30 @@ class OnlineLinearCost:
 
     def _refresh(self) -> None:
         if self._pending:
-            self._coef = self._solve().tolist()
+            self._coef = self._solve()
             self._pending = 0
 
-    def _solve(self) -> np.ndarray:
+    def _solve(self) -> list[float]:
         n = len(self.xty)
         # Ridge per feature, scaled by that feature's own energy: units-free, and a feature never
         # seen (all zeros so far) gets a zero coefficient instead of a singular system.
-        reg = np.diag(self.ridge * np.diag(self.xtx) + 1e-12)
-        theta = np.linalg.solve(self.xtx + reg, self.xty)
+        reg = [self.ridge * self.xtx[i][i] + 1e-12 for i in range(n)]
+        theta = self._solve_subset(list(range(n)), reg)
         # A negative marginal cost is an artefact of collinear features: drop it and refit the rest.
         for _ in range(n):
-            neg = theta < 0
-            if not neg.any():
+            if all(t >= 0 for t in theta):
                 break
-            keep = ~neg
-            theta = np.zeros(n)
-            if keep.any():
-                sub = self.xtx[np.ix_(keep, keep)] + reg[np.ix_(keep, keep)]
-                theta[keep] = np.linalg.solve(sub, self.xty[keep])
-        return np.maximum(theta, 0.0)
+            theta = self._solve_subset([i for i in range(n) if theta[i] >= 0], reg)
+        return [max(t, 0.0) for t in theta]
+
+    def _solve_subset(self, keep: list[int], reg: list[float]) -> list[float]:
+        """The ridge solution over the features in ``keep`` (the others 0)."""
+        theta = [0.0] * len(self.xty)
+        if keep:
+            a = [[self.xtx[i][j] + (reg[i] if i == j else 0.0) for j in keep] for i in keep]
+            for i, t in zip(keep, _solve_linear(a, [self.xty[i] for i in keep])):
+                theta[i] = t
+        return theta
 
     def predict(self, *columns, refresh: bool = True):
         """Seconds ``theta . features`` for features given by column: ``columns[i]`` is feature
@@ -166,24 +178,28 @@ class RealisedGoodput:
     """
 
     def __init__(self, decay: float = 0.99, min_steps: float = 2.0) -> None:
-        self.tokens = np.zeros(2)
-        self.seconds = np.zeros(2)
-        self.steps = np.zeros(2)
+        # Per mode (index 0: not drafting, 1: drafting), as Python floats: a handful of float
+        # operations a step (numpy's per-call cost on 2-element arrays was most of it).
+        self.tokens = [0.0, 0.0]
+        self.seconds = [0.0, 0.0]
+        self.steps = [0.0, 0.0]
         self.decay, self.min_steps = decay, min_steps
 
     def observe(self, drafting: bool, num_emitted: int, step_s: float) -> None:
         """One step: ``num_emitted`` tokens in ``step_s`` seconds, drafting or not."""
+        d, i = self.decay, int(drafting)
         for total in (self.tokens, self.seconds, self.steps):
-            total *= self.decay
-        self.tokens[int(drafting)] += num_emitted
-        self.seconds[int(drafting)] += step_s
-        self.steps[int(drafting)] += 1.0
+            total[0] *= d
+            total[1] *= d
+        self.tokens[i] += num_emitted
+        self.seconds[i] += step_s
+        self.steps[i] += 1.0
 
-    def rates(self) -> np.ndarray | None:
-        """Tokens/s ``(2,)`` (not drafting, drafting), or None until both modes have enough steps."""
-        if (self.steps < self.min_steps).any() or (self.seconds <= 0).any():
+    def rates(self) -> tuple[float, float] | None:
+        """Tokens/s (not drafting, drafting), or None until both modes have enough steps."""
+        if min(self.steps) < self.min_steps or min(self.seconds) <= 0:
             return None
-        return self.tokens / self.seconds
+        return self.tokens[0] / self.seconds[0], self.tokens[1] / self.seconds[1]
 
 
 class RealisedCheck:
@@ -215,14 +231,18 @@ class RealisedCheck:
         self.required_gain = required_gain
         self.decay, self.min_steps = decay, min_steps
         self._buckets: dict[int, RealisedGoodput] = {}
+        self._by_size: dict[int, RealisedGoodput] = {}  # num_decodes -> its bucket's (a lookup a step)
         self._since_explore = 0  # checked steps since the last explore step
 
     def bucket(self, num_decodes: int) -> RealisedGoodput:
         """The realised goodput of steps with about this many decoding sequences."""
-        key = 1 << round(np.log2(max(num_decodes, 1)))
-        if key not in self._buckets:
-            self._buckets[key] = RealisedGoodput(self.decay, self.min_steps)
-        return self._buckets[key]
+        goodput = self._by_size.get(num_decodes)
+        if goodput is None:
+            key = 1 << round(math.log2(max(num_decodes, 1)))
+            if key not in self._buckets:
+                self._buckets[key] = RealisedGoodput(self.decay, self.min_steps)
+            goodput = self._by_size[num_decodes] = self._buckets[key]
+        return goodput
 
     def standing(self, num_decodes: int, on: bool) -> bool | None:
         """The realised rates' verdict on drafting for steps of about ``num_decodes`` sequences,
@@ -236,7 +256,7 @@ class RealisedCheck:
         ``explore`` whether this step runs the other mode; None when nothing was realised yet
         (the cost model decides alone)."""
         goodput = self.bucket(num_decodes)
-        if not goodput.steps.any():
+        if not any(goodput.steps):
             return None
         rates = goodput.rates()
         self._since_explore += 1
@@ -252,19 +272,19 @@ class RealisedCheck:
         rates = self.bucket(num_decodes).rates()
         return not self._thin(rates) and self._standing(rates, on) is False
 
-    def _standing(self, rates: np.ndarray | None, on: bool) -> bool | None:
+    def _standing(self, rates: tuple[float, float] | None, on: bool) -> bool | None:
         if rates is None:
             return None
         ratio = self._ratio(rates)
         return bool(ratio >= 1 if on else ratio > 1 + self.hysteresis)
 
-    def _thin(self, rates: np.ndarray | None) -> bool:
+    def _thin(self, rates: tuple[float, float] | None) -> bool:
         return rates is None or abs(self._ratio(rates) - 1) < self.thin_margin
 
-    def _ratio(self, rates: np.ndarray) -> float:
+    def _ratio(self, rates: tuple[float, float]) -> float:
         """Drafting's realised rate over plain decoding's, relative to the switching point."""
         off, drafting = rates
-        return float(drafting / (off * (1 + self.required_gain)))
+        return drafting / (off * (1 + self.required_gain))
 
     def observe(self, num_decodes: int, drafting: bool, num_emitted: int, step_s: float) -> None:
         """A pure-decode step of ``num_decodes`` sequences, drafting or not."""
@@ -300,3 +320,21 @@ class ActivationMeter:
 
     def __getattr__(self, name: str):  # the wrapped executor's other attributes (stats, close)
         return getattr(self.inner, name)
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """``x`` with ``a x = b`` for a small dense system (Gaussian elimination with partial pivoting;
+    ``a`` and ``b`` are overwritten). The ridge keeps the cost model's systems non-singular."""
+    n = len(b)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        for r in range(col + 1, n):
+            factor = a[r][col] / a[col][col]
+            if factor:
+                a[r] = [x - factor * y for x, y in zip(a[r], a[col])]
+                b[r] -= factor * b[col]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (b[r] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
+    return x
