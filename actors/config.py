@@ -286,6 +286,13 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         verifier_start_timeout_s: longest engine build (weights, draft actor) of a verifier replica.
         engine_step_timeout_s: a step running longer than this fails the replica's health check
             (Serve then replaces the replica).
+        stream_batching_interval_ms: a streamed request's tokens after its first go out at most
+            once per this many milliseconds, each chunk with what the engine emitted since the last
+            (0: each engine step as its own chunk, as soon as the ingress takes it). Ray Serve LLM's
+            ``stream_batching_interval_ms`` (50 ms by default there): every chunk wakes the
+            verifier's event loop, the ingress and the HTTP proxy, CPU the engine thread needs.
+            At most every SLO class's ``itl_ms``, so batching alone never breaks an ITL budget.
+            Server-side ITL and TPOT metrics keep each step's own emission time.
         tracing: OpenTelemetry settings (see :mod:`observability.tracing`); None = environment only.
     """
 
@@ -299,7 +306,14 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_timeout_s: float = 600.0
     verifier_start_timeout_s: float = 300.0
     engine_step_timeout_s: float = 60.0
+    stream_batching_interval_ms: float = 0.0
     tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)
+        interval_ms = self.stream_batching_interval_ms
+        _require(interval_ms >= 0, "stream_batching_interval_ms", ">= 0", interval_ms)
+        for name, slo in self.engine.scheduler.slo_classes.items():
+            if slo.itl_ms:
+                _require(interval_ms <= slo.itl_ms, "stream_batching_interval_ms",
+                         f"<= engine.scheduler.slo_classes.{name}.itl_ms ({slo.itl_ms:g})", interval_ms)

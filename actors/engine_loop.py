@@ -51,11 +51,18 @@ class EngineLoop:
             engine's metrics as of then (``get_metrics()``, taken on the engine thread: a running
             step may resize its dicts).
         carriers: request id -> W3C trace carrier map shared with the engine's step observer.
+        stream_batching_interval_s: a streamed request's items after its first tokens go at most
+            once per this many seconds, each carrying the steps emitted since the last (0: every
+            step as soon as the consumer takes it). Ray Serve LLM's ``stream_batching_interval_ms``:
+            every item wakes this replica's event loop, the ingress and the HTTP proxy, CPU the
+            engine thread and the expert actors need (docs/TRANSPORT.md, "Stream batching").
     """
 
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor, step_timeout_s: float = 60.0,
-                 on_change: Callable[[dict], None] | None = None, carriers: dict | None = None) -> None:
+                 on_change: Callable[[dict], None] | None = None, carriers: dict | None = None,
+                 stream_batching_interval_s: float = 0.0) -> None:
         self.engine, self.executor, self.step_timeout_s = engine, executor, step_timeout_s
+        self.stream_batching_interval_s = stream_batching_interval_s
         self.on_change = on_change
         self.carriers = carriers if carriers is not None else {}
         self._streams: dict[str, asyncio.Queue] = {}
@@ -165,8 +172,9 @@ class EngineLoop:
             items (``actors.stream_items.step_item``), the last one finished. Steps that queued
             up while the consumer was busy go as one merged item (``merge_step_items``): each item
             crossing the Serve hop costs this replica's event loop and the ingress CPU that the
-            engine thread needs. Closing the stream early (client gone) aborts the request and
-            frees its KV slots within one step.
+            engine thread needs. A streamed request's steps after its first tokens are also held
+            for up to ``stream_batching_interval_s`` since its last item, unless finished. Closing
+            the stream early (client gone) aborts the request and frees its KV slots within one step.
         """
         rid = request_id or f"req-{next(self._ids)}"
         if self.draining:
@@ -192,10 +200,13 @@ class EngineLoop:
             yield answer
             held: list[dict] = []  # step items not sent yet
             first_sent = False  # the first item with tokens has gone (TTFT)
+            shipped_s = 0.0  # time.monotonic() of the last item sent
             while not finished:
                 batch = [await queue.get()]
                 while not queue.empty():
                     batch.append(queue.get_nowait())
+                if stream and first_sent:
+                    await self._hold(queue, batch, shipped_s + self.stream_batching_interval_s)
                 for item in batch:
                     finished = item.get("finished", True)
                     if item["type"] != "step":
@@ -206,13 +217,14 @@ class EngineLoop:
                     else:
                         held.append(item)
                         if not first_sent and any(c["new_token_ids"] for c in item["choices"]):
-                            first_sent = True
-                            yield ship(held, time.monotonic())
+                            first_sent, shipped_s = True, time.monotonic()
+                            yield ship(held, shipped_s)
                             held = []
                     if finished:
                         break
                 if held and (stream or finished):
-                    yield ship(held, time.monotonic())
+                    shipped_s = time.monotonic()
+                    yield ship(held, shipped_s)
                     held = []
         finally:
             self._streams.pop(rid, None)
@@ -220,6 +232,21 @@ class EngineLoop:
             if not finished:
                 self._ops.append(("abort", rid))
                 self._wakeup.set()
+
+    @staticmethod
+    async def _hold(queue: asyncio.Queue, batch: list[dict], until_s: float) -> None:
+        """Add to ``batch`` what the engine emits until ``until_s`` (time.monotonic()), unless it
+        ends in a finished (or non-step) item: a stream's last tokens and errors are never held."""
+        while batch[-1]["type"] == "step" and not batch[-1]["finished"]:
+            remaining_s = until_s - time.monotonic()
+            if remaining_s <= 0:
+                return
+            try:
+                batch.append(await asyncio.wait_for(queue.get(), remaining_s))
+            except asyncio.TimeoutError:
+                return
+            while not queue.empty():
+                batch.append(queue.get_nowait())
 
     def drain(self) -> int:
         """End every open stream with a 503 item, abort its request (frees its KV slots within one

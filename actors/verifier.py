@@ -94,7 +94,8 @@ class VerifierServer:
             build = loop.run_in_executor(self._executor, self._build_loaded)
             self.engine = await asyncio.wait_for(build, self.config.verifier_start_timeout_s)
             self.loop = EngineLoop(self.engine, self._executor, self.config.engine_step_timeout_s,
-                                   on_change=self._sync_metrics, carriers=self.telemetry.carriers)
+                                   on_change=self._sync_metrics, carriers=self.telemetry.carriers,
+                                   stream_batching_interval_s=self.config.stream_batching_interval_ms / 1e3)
             if self._in_ray:
                 self._watch_drain()
 

@@ -101,6 +101,40 @@ def test_merged_streams_equal_the_offline_api(reference, stream, delay_s):
             assert all(age >= 0 for age, _ in steps[1]["steps"])
 
 
+async def _timed(loop, ids) -> list[tuple[float, dict]]:
+    return [(time.monotonic(), item) async for item in loop.generate(ids, PARAMS, stream=True)]
+
+
+@pytest.mark.parametrize("interval_s", [0.03, 30.0])
+def test_stream_batching_spaces_items_and_never_holds_the_last(reference, interval_s):
+    """With ``stream_batching_interval_s`` a streamed request's items after its first tokens are at
+    least the interval apart and carry every step since the last, tokens unchanged; the finished
+    item is never held (a 30 s interval: the first tokens, then one item when the request ends)."""
+    tokenizer, want = reference
+    engine = build_engine(EngineArgs(model=TARGET, draft_model=DRAFT, num_speculative_tokens=3))
+
+    async def run():
+        loop = EngineLoop(engine, ThreadPoolExecutor(1), stream_batching_interval_s=interval_s)
+        return await asyncio.wait_for(_timed(loop, tokenizer.encode(PROMPTS[0]).ids), 20.0)
+
+    steps_before = engine.num_steps
+    timed = [(t, i) for t, i in asyncio.run(run()) if i["type"] == "step"]
+    num_steps = engine.num_steps - steps_before
+    items = [i for _, i in timed]
+    assert [t for i in items for c in i["choices"] for t in c["new_token_ids"]] == list(want[0].token_ids)
+    assert "".join(c["new_text"] for i in items for c in i["choices"]) == want[0].text
+    assert items[-1]["finished"] and sum(1 for i in items if i["finished"]) == 1
+    gaps_s = [b - a for (a, _), (b, _) in zip(timed[:-1], timed[1:-1])]  # the finished item may come early
+    assert all(g >= interval_s * 0.95 for g in gaps_s), gaps_s
+    if interval_s > 1:
+        assert len(items) == 2 and len(items[0]["choices"][0]["new_token_ids"]) <= 4
+    else:
+        assert len(items) < num_steps
+    # Every step's timing travels with its item (the ingress records ITL per step).
+    merged = [i for i in items[1:] if "steps" in i]
+    assert merged and all(sum(n for _, n in i["steps"]) == len(i["choices"][0]["new_token_ids"]) for i in merged)
+
+
 @pytest.mark.parametrize(("status", "tokens", "refused", "errors"), [(503, 0, 1, 0), (500, 0, 0, 1), (503, 2, 0, 1)])
 def test_telemetry_counts_a_503_before_any_output_as_refused_not_failed(status, tokens, refused, errors):
     from observability.request_metrics import RequestMetrics
