@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import msgspec
@@ -291,8 +292,11 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (0: each engine step as its own chunk, as soon as the ingress takes it). Ray Serve LLM's
             ``stream_batching_interval_ms`` (50 ms by default there): every chunk wakes the
             verifier's event loop, the ingress and the HTTP proxy, CPU the engine thread needs.
-            At most every SLO class's ``itl_ms``, so batching alone never breaks an ITL budget.
-            Server-side ITL and TPOT metrics keep each step's own emission time.
+            At most every SLO class's ``itl_ms``, so batching alone never breaks an ITL budget
+            (a class with only ``tpot_ms`` is not checked: TPOT is a mean over the request,
+            which batching does not change). A one-token step is held too; with ``n`` > 1 each
+            interval sends one chunk per choice. Server-side ITL and TPOT metrics keep each
+            step's own emission time, a lone held step's included.
         tracing: OpenTelemetry settings (see :mod:`observability.tracing`); None = environment only.
     """
 
@@ -313,6 +317,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _require(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)
         interval_ms = self.stream_batching_interval_ms
         _require(interval_ms >= 0, "stream_batching_interval_ms", ">= 0", interval_ms)
+        # .inf would hold a stream's tokens until it ends: that is stream=false, not batching.
+        _require(math.isfinite(interval_ms), "stream_batching_interval_ms", "finite", interval_ms)
         for name, slo in self.engine.scheduler.slo_classes.items():
             if slo.itl_ms:
                 _require(interval_ms <= slo.itl_ms, "stream_batching_interval_ms",

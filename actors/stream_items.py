@@ -59,7 +59,7 @@ def merge_step_items(items: list[dict]) -> dict:
     merged = {"type": "step", "finished": items[-1]["finished"], "choices": [], "steps": []}
     by_index: dict[int, dict] = {}
     for item in items:
-        merged["steps"].append([item["at_s"], sum(len(c["new_token_ids"]) for c in item["choices"])])
+        merged["steps"].append([item["at_s"], _num_new_tokens(item)])
         for c in item["choices"]:
             into = by_index.get(c["index"])
             if into is None:
@@ -79,12 +79,18 @@ def merge_step_items(items: list[dict]) -> dict:
 
 
 def ship(items: list[dict], now_s: float) -> dict:
-    """Consecutive step items as the one item that crosses to the ingress: merged when more than
-    one, their emission times as ages (s before ``now_s``: they mean the same on another node's
-    clock), ``steps: [[age_s, tokens], ...]``; a lone item's time is dropped (it is now)."""
+    """Consecutive step items as the one item that crosses to the ingress, merged when more than
+    one, with their emission times as ages (s before ``now_s``: they mean the same on another
+    node's clock), ``steps: [[age_s, tokens], ...]``. A lone item keeps its age too: stream
+    batching may have held it for up to its interval, and the ingress's ITL must not count that."""
     if len(items) == 1:
-        del items[0]["at_s"]
-        return items[0]
-    item = merge_step_items(items)
+        item = items[0]
+        item["steps"] = [[item.pop("at_s"), _num_new_tokens(item)]]
+    else:
+        item = merge_step_items(items)
     item["steps"] = [[now_s - t, n] for t, n in item["steps"]]
     return item
+
+
+def _num_new_tokens(item: dict) -> int:
+    return sum(len(c["new_token_ids"]) for c in item["choices"])

@@ -231,13 +231,13 @@ class RequestTelemetry:
 
     def on_item(self, item: dict) -> None:
         """One verifier stream item (see ``actors/stream_items.py``); a merged one's steps are
-        recorded at the times they were emitted (``steps``: ``[[age_s, tokens], ...]``)."""
+        recorded at the times they were emitted (``steps``: ``[[age_s, tokens], ...]``, see
+        :func:`actors.stream_items.ship`)."""
         try:
             import time
 
             now_s = time.monotonic()
-            steps = item.get("steps") or [[0.0, sum(len(c["new_token_ids"]) for c in item["choices"])]]
-            for age_s, n in steps:
+            for age_s, n in item["steps"]:
                 if not n:
                     continue
                 if self.num_tokens == 0:

@@ -133,6 +133,7 @@ def test_cluster_address_treats_local_as_start_here(monkeypatch, cli, env, expec
     ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      fast: {ttft_ms: 100}\n      slow: {ttft_ms: -5}\n",
      "slo_classes.slow.ttft_ms must be > 0, got -5.0 - at `$.engine.scheduler`"),
     ("stream_batching_interval_ms: -1\n", "stream_batching_interval_ms must be >= 0, got -1.0"),
+    ("stream_batching_interval_ms: .inf\n", "stream_batching_interval_ms must be finite, got inf"),
     # Batching a stream must not by itself break a class's ITL budget.
     ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      chat: {ttft_ms: 100, itl_ms: 25}\n"
      "stream_batching_interval_ms: 40\n",

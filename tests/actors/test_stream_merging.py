@@ -39,8 +39,8 @@ def test_merged_items_concatenate_and_keep_each_steps_age():
     assert [lp["token_id"] for lp in c["new_logprobs"]] == [1, 2, 3, 4, 5]
     assert c["finish_reason"] == "length" and merged["finished"] and merged["usage"]["completion_tokens"] == 5
     assert merged["steps"] == [[2.0, 1], [1.5, 2], [1.0, 2]] and "at_s" not in merged
-    alone = ship([_step("a", [1], 10.0)], now_s=12.0)
-    assert "steps" not in alone and "at_s" not in alone
+    alone = ship([_step("a", [1], 10.0)], now_s=12.0)  # e.g. held alone by stream batching
+    assert alone["steps"] == [[2.0, 1]] and "at_s" not in alone
 
 
 def test_telemetry_records_a_merged_items_steps_when_they_were_emitted():
@@ -130,9 +130,11 @@ def test_stream_batching_spaces_items_and_never_holds_the_last(reference, interv
         assert len(items) == 2 and len(items[0]["choices"][0]["new_token_ids"]) <= 4
     else:
         assert len(items) < num_steps
-    # Every step's timing travels with its item (the ingress records ITL per step).
-    merged = [i for i in items[1:] if "steps" in i]
-    assert merged and all(sum(n for _, n in i["steps"]) == len(i["choices"][0]["new_token_ids"]) for i in merged)
+    # Every step's timing travels with its item, a lone held one's too (the ingress records ITL
+    # per step at emission, not at arrival): emission times rise and none is after its arrival.
+    assert all(sum(n for _, n in i["steps"]) == len(i["choices"][0]["new_token_ids"]) for i in items)
+    emitted_s = [t - age for t, i in timed for age, _ in i["steps"]]
+    assert emitted_s == sorted(emitted_s) and all(age >= 0 for i in items for age, _ in i["steps"])
 
 
 @pytest.mark.parametrize(("status", "tokens", "refused", "errors"), [(503, 0, 1, 0), (500, 0, 0, 1), (503, 2, 0, 1)])
@@ -142,7 +144,7 @@ def test_telemetry_counts_a_503_before_any_output_as_refused_not_failed(status, 
     metrics = RequestMetrics("m")
     tel = RequestTelemetry(metrics, "/v1/completions", {}, "text_completion", "m", arrival_s=time.monotonic())
     if tokens:  # a stream that had started, then ended by a 503 (a stopping server): a failed request
-        tel.on_item({"type": "step", "finished": False,
+        tel.on_item({"type": "step", "finished": False, "steps": [[0.0, 2]],
                      "choices": [{"index": 0, "new_token_ids": [1, 2], "finish_reason": None}]})
     tel.finish(status, "cmpl-1")
     r = metrics.registry
