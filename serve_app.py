@@ -100,12 +100,14 @@ def proxy_start_error(host: str, port: int, error: Exception) -> StartupError:
                         f"readiness checks, as on an overloaded machine: see the log above, and retry")
 
 
-def ray_env() -> dict:
-    """Environment every Ray worker gets: one torch thread, and the OTel settings of this shell."""
+def ray_env(config: ServeConfig) -> dict:
+    """Environment every Ray worker gets: one torch thread, the OTel settings of this shell, and
+    the HTTP proxy's side of ``config.serve_transport`` (the proxy reads it when it starts)."""
     from observability import otel_env_vars
 
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **otel_env_vars()}
     env.update({k: v for k, v in os.environ.items() if k.startswith("SPECMOE_")})
+    env["RAY_SERVE_PROXY_USE_GRPC"] = "1" if config.serve_transport == "grpc" else "0"
     return env
 
 
@@ -147,7 +149,7 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
         check_port(config.http.host, config.http.port)
         check_device(config.engine.device)
     try:
-        owns_ray = init_ray(config.experts.namespace, ray_env(), address)
+        owns_ray = init_ray(config.experts.namespace, ray_env(config), address)
     except Exception as e:  # ray.init raises bare Exception / ConnectionError (node start timeout, bad address)
         raise StartupError(f"Ray did not start{f' (address {address!r})' if address else ''}: {e}") from e
     if sigterm is not None:

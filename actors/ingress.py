@@ -129,6 +129,9 @@ class IngressServer:
         from engine.config import context_window, load_model_config
         from engine.loader import load_tokenizer
 
+        if isinstance(verifier, DeploymentHandle):  # a test double is used as it is
+            # By value = Serve's gRPC transport between replicas (ServeConfig.serve_transport).
+            verifier = verifier.options(_by_reference=config.serve_transport != "grpc")
         self.config, self.verifier = config, verifier
         # A Serve handle must be asked for a stream; a test double streams as it is.
         self._verifier_stream = verifier.options(stream=True) if isinstance(verifier, DeploymentHandle) else verifier

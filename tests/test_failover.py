@@ -1,6 +1,7 @@
 """Two verifier replicas (serving units): one dying mid-request is invisible to its clients. The
 ingress re-submits prompt + emitted tokens to the survivor; every stream continues without a
-duplicate or a gap and the greedy text equals the undisturbed in-process engine's."""
+duplicate or a gap and the greedy text equals the undisturbed in-process engine's. Over both of
+Serve's transports (``serve_transport``): a replica dying surfaces as a different error in each."""
 
 import json
 import signal
@@ -11,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from benchmarks.serving.server_process import embedded_config, free_port, serve_process
+from benchmarks.serving.server_process import embedded_config, free_port, process_tree, serve_process
 from engine import LLM, SamplingParams
 from tests.test_lifecycle import _replicas
 
@@ -19,10 +20,11 @@ PROMPTS = ["def read_config(path):\n", "class LRUCache:\n"]
 MAX_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["grpc", "actor_calls"])
+def server(tmp_path_factory, request):
     config = embedded_config(free_port())
     config["verifier"] = {"num_replicas": 2}
+    config["serve_transport"] = request.param
     with serve_process(config, tmp_path_factory.mktemp("failover") / "serve.yaml", start_timeout_s=300,
                        stop_with_sigterm=True) as server:
         yield server
@@ -54,6 +56,10 @@ def _tail(log, num_lines: int = 40) -> str:
     return "\n".join(log.read_text().splitlines()[-num_lines:])
 
 
+def _proxies(proc) -> list[psutil.Process]:
+    return [p for p in process_tree(proc.pid) if "ProxyActor" in " ".join(p.cmdline())]
+
+
 def _busiest_verifier(proc) -> psutil.Process:
     """The verifier replica doing the most work (the one serving the streams, or one of them)."""
     verifiers = _replicas(proc, "verifier")
@@ -65,8 +71,10 @@ def _busiest_verifier(proc) -> psutil.Process:
 
 
 @pytest.mark.timeout(600)
-def test_a_verifier_replica_dying_mid_stream_is_invisible_to_its_clients(server, expected):
+def test_a_verifier_replica_dying_mid_stream_is_invisible_to_its_clients(server, expected, request):
     proc, url, log = server
+    grpc = "1" if request.node.callspec.params["server"] == "grpc" else "0"
+    assert [p.environ().get("RAY_SERVE_PROXY_USE_GRPC") for p in _proxies(proc)] == [grpc]
     out: dict = {}
     threads = [threading.Thread(target=_stream, args=(url, p, out, i), daemon=True) for i, p in enumerate(PROMPTS)]
     for t in threads:

@@ -3,9 +3,12 @@
 import os
 import socket
 
+import msgspec
 import pytest
+from ray.serve.handle import DeploymentHandle
 
 import serve_app
+from actors.config import ServeConfig
 from engine.errors import ConfigError
 
 
@@ -234,3 +237,30 @@ def test_embedded_start_ignores_a_stale_ray_current_cluster(monkeypatch):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "started True True" in done.stdout
+
+
+class _RecordingHandle(DeploymentHandle):
+    """A verifier handle that records the options it is given (no Serve instance needed)."""
+
+    def __init__(self, calls: tuple = ()) -> None:  # Serve's own __init__ would look up a router
+        self.calls = list(calls)
+
+    def options(self, **kwargs) -> "_RecordingHandle":
+        return _RecordingHandle((*self.calls, kwargs))
+
+
+@pytest.mark.parametrize("transport, grpc", [("grpc", True), ("actor_calls", False)])
+def test_serve_transport_sets_the_proxy_env_and_the_ingress_handle(transport, grpc):
+    from actors.ingress import IngressServer
+
+    config = msgspec.convert({"model_name": "m", "engine": {"model": "checkpoints/stdlib-moe-target"},
+                              "serve_transport": transport}, ServeConfig)
+    assert serve_app.ray_env(config)["RAY_SERVE_PROXY_USE_GRPC"] == ("1" if grpc else "0")
+    ingress = IngressServer(config, _RecordingHandle())
+    assert ingress.verifier.calls == [{"_by_reference": not grpc}]
+    assert ingress._verifier_stream.calls == [{"_by_reference": not grpc}, {"stream": True}]
+
+
+def test_an_unknown_serve_transport_names_the_field():
+    with pytest.raises(msgspec.ValidationError, match=r"serve_transport"):
+        msgspec.convert({"model_name": "m", "engine": {"model": "x"}, "serve_transport": "zmq"}, ServeConfig)
