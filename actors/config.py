@@ -113,7 +113,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             has this many (its first calls load weights lazily and are slow anyway).
         max_resident_experts: expert offload: each actor keeps at most this many (layer, expert)
             weights resident (of ``experts_per_actor x MoE layers`` it holds), the rest in a slower
-            tier (the memory-mapped checkpoint on CPU, pinned host memory on GPU) loaded on demand
+            tier (a memory-mapped spill file on CPU, pinned host memory on GPU) loaded on demand
             or ahead of need; at least ``experts_per_actor + pinned_hot_experts`` (one layer's
             experts must fit at once). None (default): everything resident. See docs/EXPERTS.md.
         max_resident_bytes: the same budget in bytes of resident weights (compute dtype); set at

@@ -19,8 +19,8 @@ rotating order; ratios are per batch, then the median and quartiles over batches
   SIMULATED slower link (each load takes at least an expert's bf16 bytes at that bandwidth), a
   stand-in for a model whose expert loads cost as much as its layers (Mixtral over PCIe).
 
-The real slow tier copies the expert out of the memory-mapped safetensors checkpoint and converts
-bf16 to float32. Output tokens/s (greedy, EOS ignored; outputs checked equal across variants) at
+The real slow tier converts the expert from a memory-mapped spill file (bf16, already in the
+slots' layout; written from the checkpoint when the store starts) to float32. Output tokens/s (greedy, EOS ignored; outputs checked equal across variants) at
 concurrency 1 and 8, and the cache hit rate (hits / (hits + misses); a prefetch still loading
 when needed is a miss).
 """

@@ -4,9 +4,9 @@
 rows out, bit for bit: each expert's rows go through the same :func:`kernels.expert_ffn.expert_ffn`)
 but keeps at most a budget of (layer, expert) weights resident; the rest live in a slower tier:
 
-* CPU: the memory-mapped safetensors checkpoint (:class:`CheckpointTier`): a load reads the
-  tensors from the mapping and converts them from the checkpoint dtype (bf16) to the compute dtype
-  (pages not in the page cache are read from disk then).
+* CPU: a memory-mapped spill file of the held experts in the checkpoint dtype (bf16), in the
+  slots' layout, written from the checkpoint at start (:class:`SpillFileTier`): a load converts
+  them to the compute dtype (pages not in the page cache are read from disk then).
 * CUDA: pinned host memory in the checkpoint dtype (:class:`PinnedHostTier`): a load is an
   asynchronous host-to-device copy plus the dtype conversion on a side CUDA stream; the compute
   stream waits on the load's event, so no host sync.
@@ -19,6 +19,8 @@ attention; which entries stay resident is :class:`engine.expert_cache.ExpertCach
 from __future__ import annotations
 
 import logging
+import math
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -41,24 +43,43 @@ log = logging.getLogger(__name__)
 LoadHook = Callable[[int, int, float, float, bool, Any], None]
 
 
-class CheckpointTier:
-    """The slow tier of a CPU store: the memory-mapped checkpoint (``CheckpointReader``)."""
+class SpillFileTier:
+    """The slow tier of a CPU store: the held experts in the checkpoint dtype (bf16), laid out as
+    the resident slots are (:func:`kernels.expert_ffn.linear_layout`: column-major on CPU), in a
+    memory-mapped spill file written once when the store starts.
 
-    def __init__(self, reader: CheckpointReader, config: ModelConfig) -> None:
-        self.reader, self.config = reader, config
-        self._lock = threading.Lock()  # one reader for the loader and compute threads
+    Why not the checkpoint's own mapping: it is row-major (``(out, in)``), and a load from it
+    converts and transposes in one strided ``copy_``: ~60 us per expert of the bundled model against
+    ~8 us for the same conversion between equal layouts (2-core EPYC VM, docs/EXPERTS.md), and at
+    concurrency 1 the loads cost the expert actor as much CPU as the experts' compute. The spill
+    file is an unlinked temporary file (``tempfile``'s directory) mapped with ``torch.from_file``:
+    like the checkpoint's mapping, its pages are the kernel's page cache, not the process's memory,
+    and it is gone when the process ends. Disk: the held experts' bytes in the checkpoint dtype.
+    """
+
+    def __init__(self, reader: CheckpointReader, config: ModelConfig, expert_ids: list[int]) -> None:
+        shapes = expert_shapes(config)
+        keys = [(layer, e) for layer in config.moe.sparse_layers for e in expert_ids]
+        dtype = reader.view(expert_names(config, *keys[0])[0], shapes[0]).dtype
+        numel = sum(math.prod(shape) for shape in shapes)
+        with tempfile.NamedTemporaryFile(prefix="specmoe-expert-tier-") as f:
+            f.truncate(len(keys) * numel * dtype.itemsize)
+            flat = torch.from_file(f.name, shared=True, size=len(keys) * numel, dtype=dtype)
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        offset = 0
+        for key in keys:
+            views = []
+            for name, (rows, cols) in zip(expert_names(config, *key), shapes):
+                # (out, in) with column-major strides: the layout linear_layout gives the slots
+                view = flat[offset:offset + rows * cols].view(cols, rows).t()
+                view.copy_(reader.view(name, (rows, cols)))
+                views.append(view)
+                offset += rows * cols
+            self._views[key] = views
 
     def load(self, layer: int, expert: int, dst: list[torch.Tensor]) -> None:
-        """Read one expert from the mapping (checkpoint dtype) and convert it into ``dst`` (one
-        ``copy_`` per tensor from a zero-copy view of the mapped file)."""
-        with self._lock:  # the reader maps each file once
-            views = self._views.get((layer, expert))
-            if views is None:  # zero-copy views of the mapping: keeping them costs no memory
-                names = expert_names(self.config, layer, expert)
-                views = self._views[(layer, expert)] = [
-                    self.reader.view(n, s) for n, s in zip(names, expert_shapes(self.config))]
-        for d, t in zip(dst, views):
+        """Convert one expert into ``dst`` (one same-layout ``copy_`` per tensor)."""
+        for d, t in zip(dst, self._views[(layer, expert)]):
             d.copy_(t)
         return None
 
@@ -94,7 +115,7 @@ class SimulatedLinkTier:
     transfer of a larger model's expert). Sleeping models a DMA copy: it holds no CPU and no GIL.
     ``nbytes``: one expert in the checkpoint dtype (what such a link would carry)."""
 
-    def __init__(self, inner: CheckpointTier | PinnedHostTier, nbytes: int, bytes_per_s: float) -> None:
+    def __init__(self, inner: SpillFileTier | PinnedHostTier, nbytes: int, bytes_per_s: float) -> None:
         self.inner, self.seconds = inner, nbytes / bytes_per_s
 
     def load(self, layer: int, expert: int, dst: list[torch.Tensor]):
@@ -145,7 +166,7 @@ class OffloadedExpertStore:
         self.pool = [linear_layout(torch.empty((capacity, *s), dtype=dtype, device=device)) for s in shapes]
         self.prefetch_enabled, self.on_load = prefetch, on_load
         cuda = torch.device(device).type == "cuda"
-        self.tier = PinnedHostTier(reader, config, self.expert_ids, device) if cuda else CheckpointTier(reader, config)
+        self.tier = PinnedHostTier(reader, config, self.expert_ids, device) if cuda else SpillFileTier(reader, config, self.expert_ids)
         if simulated_link_gbps is not None:
             first = reader.get(expert_names(config, config.moe.sparse_layers[0], self.expert_ids[0])[0])
             disk_bytes = expert_entry_bytes(config, first.dtype)  # in the checkpoint's dtype

@@ -29,6 +29,10 @@ from benchmarks.serving.server_process import (
 MODEL = "stdlib-moe"
 REQUEST_TIMEOUT_S = 6.0
 LONG = {"model": MODEL, "prompt": "def parse(text):\n", "max_tokens": 900, "ignore_eos": True}
+# A request that cannot finish within REQUEST_TIMEOUT_S: LONG alone took 5.4-6.1 s on the 2-core
+# EPYC VM (2026-12-04), so it raced the timeout; four choices of 1000 tokens without drafting took
+# 9.1-10.1 s.
+PAST_TIMEOUT = {**LONG, "max_tokens": 1000, "n": 4, "num_speculative_tokens": 0}
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +122,7 @@ def test_embedded_default_listens_on_loopback_only(server):
 def test_request_past_request_timeout_gets_504_and_frees_its_kv(server):
     _, url = server
     start = time.monotonic()
-    r = httpx.post(url + "/v1/completions", json=LONG, timeout=60)
+    r = httpx.post(url + "/v1/completions", json=PAST_TIMEOUT, timeout=60)
     took_s = time.monotonic() - start
     assert r.status_code == 504, r.text
     assert r.json()["error"]["type"] == "timeout" and "request_timeout_s" in r.json()["error"]["message"]
@@ -134,20 +138,22 @@ def test_request_past_request_timeout_gets_504_and_frees_its_kv(server):
 
 def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back(server):
     proc, url = server
-    # Each request starts only when the one before it runs, and the kill comes right after the
-    # stream's first event: the requests' request_timeout_s (6 s) then covers the failover attempt
-    # (~2 s: a resubmission waits that long for a replica), not a busy machine's queueing.
+    # The stream starts first; the plain request once the stream's first event is in; the kill as
+    # soon as the plain one runs: both are then surely still running (the plain one used to start
+    # first, and on a fast machine it once finished its 900 tokens while the stream's first event
+    # was late), and the requests' request_timeout_s (6 s) covers the failover attempt (~2 s: a
+    # resubmission waits that long for a replica), not a busy machine's queueing.
+    out: list = []
+    stream = _stream_in_background(url, out)
+    _wait_first_event(out)
     plain: list = []
     request = threading.Thread(target=lambda: plain.append(
         httpx.post(url + "/v1/completions", json=LONG, timeout=60)), daemon=True)
     request.start()
     deadline = time.monotonic() + 30
-    while engine_gauge(url, "num_requests_running") < 1:
-        assert time.monotonic() < deadline and request.is_alive(), "the plain request never ran"
+    while engine_gauge(url, "num_requests_running") < 2:
+        assert time.monotonic() < deadline and request.is_alive(), f"the plain request never ran: {plain}"
         time.sleep(0.05)
-    out: list = []
-    stream = _stream_in_background(url, out)
-    _wait_first_event(out)
     verifier = _replicas(proc, "verifier")
     assert len(verifier) == 1
     verifier[0].send_signal(signal.SIGKILL)

@@ -214,3 +214,24 @@ def test_a_mapped_view_equals_the_read_tensor_and_bad_names_or_shapes_are_named(
         reader.view(name, shape[::-1])
     with pytest.raises(CheckpointError, match="missing"):
         reader.view(name + ".nope", shape)
+
+
+def test_the_cpu_tier_holds_the_checkpoint_in_the_slots_layout_and_leaves_no_file(tmp_path, monkeypatch):
+    import tempfile
+
+    from engine.expert_offload import SpillFileTier
+    from engine.model.moe import expert_shapes
+    from engine.model.names import expert_names
+    from kernels.expert_ffn import linear_layout
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    reader = CheckpointReader(TARGET)
+    tier = SpillFileTier(reader, CONFIG, [2, 5])
+    assert list(tmp_path.iterdir()) == []  # unlinked once mapped: nothing outlives the process
+    shapes = expert_shapes(CONFIG)
+    for layer in LAYERS:
+        dst = [linear_layout(torch.empty(s)) for s in shapes]
+        tier.load(layer, 5, dst)
+        for d, held, name, s in zip(dst, tier._views[(layer, 5)], expert_names(CONFIG, layer, 5), shapes):
+            assert torch.equal(d, reader.get(name, s, dtype=torch.float32))
+            assert held.stride() == d.stride()  # the slot's layout: a load is no transposing copy
