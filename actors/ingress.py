@@ -129,12 +129,13 @@ class IngressServer:
         from engine.config import context_window, load_model_config
         from engine.loader import load_tokenizer
 
-        if isinstance(verifier, DeploymentHandle):  # a test double is used as it is
-            # By value = Serve's gRPC transport between replicas (ServeConfig.serve_transport).
+        self._verifier_stream = verifier  # a test double is used as it is (and streams as it is)
+        if isinstance(verifier, DeploymentHandle):
+            # By value = Serve's gRPC transport between replicas (ServeConfig.serve_transport);
+            # a Serve handle must be asked for a stream.
             verifier = verifier.options(_by_reference=config.serve_transport != "grpc")
+            self._verifier_stream = verifier.options(stream=True)
         self.config, self.verifier = config, verifier
-        # A Serve handle must be asked for a stream; a test double streams as it is.
-        self._verifier_stream = verifier.options(stream=True) if isinstance(verifier, DeploymentHandle) else verifier
         self.model_name = config.model_name
         model_path = config.engine.model
         model_config = load_model_config(model_path)

@@ -20,8 +20,9 @@ rotating order; ratios are per batch, then the median and quartiles over batches
   stand-in for a model whose expert loads cost as much as its layers (Mixtral over PCIe).
 
 The real slow tier converts the expert from a memory-mapped spill file (bf16, already in the
-slots' layout; written from the checkpoint when the store starts) to float32. Output tokens/s (greedy, EOS ignored; outputs checked equal across variants) at
-concurrency 1 and 8, and the cache hit rate (hits / (hits + misses); a prefetch still loading
+slots' layout; written from the checkpoint when the store starts) to float32. Output tokens/s
+(greedy, EOS ignored; outputs checked equal across variants) at concurrency 1 and 8, and the cache
+hit rate (hits / (hits + misses); a prefetch still loading
 when needed is a miss).
 """
 
