@@ -205,8 +205,10 @@ class LLMEngine:
                     drafts = self._propose(sched.decodes, decision)
                     t1 = time.perf_counter()
                 self._verify_and_emit(sched, drafts)
-                target_s, distinct = time.perf_counter() - t1, self._take_distinct_experts()
-                if self._learns_costs(self.controller.max_k):
+                target_s = time.perf_counter() - t1
+                fits = self._learns_costs(self.controller.max_k) and self.controller.fits_last_step
+                distinct = self._take_distinct_experts(fits)
+                if fits:
                     self._observe_costs(t1 - t0, target_s, drafts, sched, distinct)
                 if not sched.prefills:  # the realised goodput check compares pure-decode steps only
                     self.controller.observe_goodput(self.stats.num_emitted_tokens - before[2],
@@ -283,10 +285,11 @@ class LLMEngine:
         self._drafting_ahead = {sid for sid, p in drafts.items() if p.drafting_ahead}
         return drafts
 
-    def _take_distinct_experts(self) -> int | None:
-        """Distinct (layer, expert) pairs the step's target forward activated (None: not metered)."""
+    def _take_distinct_experts(self, count: bool) -> int | None:
+        """Distinct (layer, expert) pairs the step's target forward activated (None: not metered,
+        or not ``count``-ed: the step is not fed to the cost model)."""
         meter = self.target.model.experts
-        return meter.take() if isinstance(meter, ActivationMeter) else None
+        return meter.take(count) if isinstance(meter, ActivationMeter) else None
 
     def _observe_costs(self, draft_s: float, target_s: float, drafts: dict[str, DraftProposal],
                        sched: SchedulerOutput, distinct: int | None) -> None:

@@ -33,7 +33,10 @@ plain decoding; a step with a prefill chunk follows its decodes' bucket too, and
 explores); the model still chooses what to draft when on. One explore step runs
 the other mode (off while on; the model's best drafting while off) every
 ``explore_interval_steps`` while the realised margin is thin (< ``thin_margin``) or unmeasured, a
-quarter as often otherwise, so the losing mode's figure stays fresh. A drafter's catch-up on a
+quarter as often otherwise and rarer still (backing off) while the margin stays wide, so the
+losing mode's figure stays fresh. While the rates keep speculation off by a wide margin, most
+plain steps are not fed to the cost model (``settled_fit_interval_steps``): what is left of an
+adaptive engine's cost over plain decoding is then mostly its explore steps. A drafter's catch-up on a
 prompt counts in the drafting figure: for short requests it is most of what drafting costs.
 On a shared CPU the model misses costs its features cannot see, and off steps are rare in its
 data, so a fit alone can keep speculation on where plain decoding is faster (issue 13).
@@ -103,8 +106,13 @@ class SpeculationController:
         self.calibration = {False: 1.0, True: 1.0}
         self._ready: dict[str, int] = {}  # windows probably drafted ahead, for the next plan only
         self.realised = RealisedCheck(s.hysteresis, s.explore_interval_steps, s.thin_margin, s.goodput_decay,
-                                      s.goodput_min_steps, s.required_gain)
+                                      s.goodput_min_steps, s.required_gain, s.explore_backoff_doublings)
         self.last = Decision()
+        # Whether the last planned step should be metered and fed to the cost model
+        # (:meth:`observe_step`): all but one in ``settled_fit_interval_steps`` of the plain steps
+        # the realised rates keep off by a wide margin are not.
+        self.fits_last_step = True
+        self._settled_steps = 0
 
     # ------------------------------------------------------------------ decisions
     def plan(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int = 0,
@@ -135,6 +143,7 @@ class SpeculationController:
                 drafts that would stretch the step more than they emit.
         """
         fixed = fixed or {}
+        self.fits_last_step = True
         if self.policy == "fixed" or self.max_k == 0 or not caps or not any(caps.values()):
             self.last = Decision({**caps, **fixed}, "fixed")
             return self.last
@@ -158,6 +167,9 @@ class SpeculationController:
             if (verdict == (False, False) or explore_off) and not any(fixed.values()):
                 decision = Decision(dict.fromkeys(caps, 0), "explore" if explore_off else "adaptive",
                                     float(len(caps) + len(fixed)), self.predict_step_s(num_base_tokens, refresh=False))
+                if not explore_off and self.realised.settled_off(len(caps) + len(fixed), self._on):
+                    self._settled_steps += 1
+                    self.fits_last_step = self._settled_steps % s.settled_fit_interval_steps == 0
             else:
                 glob = self.estimates.server_wide()  # once per step: every sequence's estimate shrinks toward it
                 decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,

@@ -170,11 +170,16 @@ class RealisedGoodput:
     Tokens and seconds are sums decayed by ``decay`` per observed step of *either* mode, so both
     rates cover the same stretch of time (load drift on a shared machine hits both alike) even
     though one mode runs far more often; the rate is their ratio (time-weighted, so one short
-    step cannot dominate).
+    step cannot dominate). Decay scales a mode's tokens and seconds alike, so a rare mode's rate
+    stays its last measured one however long ago that was; keeping it fresh is the explore
+    cadence's job (:class:`RealisedCheck`).
 
     Args:
         decay: weight kept per observed step (0.99: a memory of ~100 steps).
-        min_steps: decayed step count each mode needs before :meth:`rates` trusts it.
+        min_steps: steps each mode needs (counted undecayed) before :meth:`rates` trusts it. A
+            decayed count would distrust a rarely explored mode between its explore steps (one
+            every 128 steps leaves ~1.4 at a decay of 0.99), and an untrusted rate means a thin
+            margin, hence frequent exploring: the backoff could never take hold.
     """
 
     def __init__(self, decay: float = 0.99, min_steps: float = 2.0) -> None:
@@ -182,18 +187,18 @@ class RealisedGoodput:
         # operations a step (numpy's per-call cost on 2-element arrays was most of it).
         self.tokens = [0.0, 0.0]
         self.seconds = [0.0, 0.0]
-        self.steps = [0.0, 0.0]
+        self.steps = [0, 0]  # per mode, undecayed: the trust gate
         self.decay, self.min_steps = decay, min_steps
 
     def observe(self, drafting: bool, num_emitted: int, step_s: float) -> None:
         """One step: ``num_emitted`` tokens in ``step_s`` seconds, drafting or not."""
         d, i = self.decay, int(drafting)
-        for total in (self.tokens, self.seconds, self.steps):
+        for total in (self.tokens, self.seconds):
             total[0] *= d
             total[1] *= d
         self.tokens[i] += num_emitted
         self.seconds[i] += step_s
-        self.steps[i] += 1.0
+        self.steps[i] += 1
 
     def rates(self) -> tuple[float, float] | None:
         """Tokens/s (not drafting, drafting), or None until both modes have enough steps."""
@@ -219,20 +224,25 @@ class RealisedCheck:
     Args:
         hysteresis: relative gain beyond ``required_gain`` that switches drafting on.
         explore_interval_steps: an explore step this often while the margin is thin or unmeasured,
-            4x as rarely otherwise.
+            4x as rarely otherwise, and while the margin stays wide explore after explore, twice as
+            rarely again after each, up to ``2 ** explore_backoff_doublings`` times (binary
+            exponential backoff): an explore step runs the losing mode, so on a machine where
+            drafting never pays it is pure loss (one in 32 batch-1 steps cost ~2 % of the tokens).
         thin_margin: a ratio within this (relative) of the switching point counts as a thin margin.
         decay, min_steps: of each bucket's :class:`RealisedGoodput`.
         required_gain: relative gain over plain decoding drafting must realise to stay on.
+        explore_backoff_doublings: see ``explore_interval_steps`` (0: no backoff).
     """
 
     def __init__(self, hysteresis: float, explore_interval_steps: int, thin_margin: float, decay: float,
-                 min_steps: float, required_gain: float) -> None:
+                 min_steps: float, required_gain: float, explore_backoff_doublings: int = 0) -> None:
         self.hysteresis, self.explore_interval_steps, self.thin_margin = hysteresis, explore_interval_steps, thin_margin
-        self.required_gain = required_gain
+        self.required_gain, self.explore_backoff_doublings = required_gain, explore_backoff_doublings
         self.decay, self.min_steps = decay, min_steps
         self._buckets: dict[int, RealisedGoodput] = {}
         self._by_size: dict[int, RealisedGoodput] = {}  # num_decodes -> its bucket's (a lookup a step)
         self._since_explore = 0  # checked steps since the last explore step
+        self._wide_explores = 0  # explore steps in a row scheduled at a wide margin
 
     def bucket(self, num_decodes: int) -> RealisedGoodput:
         """The realised goodput of steps with about this many decoding sequences."""
@@ -260,9 +270,14 @@ class RealisedCheck:
             return None
         rates = goodput.rates()
         self._since_explore += 1
-        explore = self._since_explore >= self.explore_interval_steps * (1 if self._thin(rates) else 4)
+        if self._thin(rates):
+            self._wide_explores, interval = 0, self.explore_interval_steps
+        else:
+            interval = self.explore_interval_steps * 4 << min(self._wide_explores, self.explore_backoff_doublings)
+        explore = self._since_explore >= interval
         if explore:
             self._since_explore = 0
+            self._wide_explores += not self._thin(rates)
         return self._standing(rates, on), explore
 
     def settled_off(self, num_decodes: int, on: bool) -> bool:
@@ -310,9 +325,11 @@ class ActivationMeter:
         self._active.append(routing.expert_counts)  # counted in take(): one op a step, not two a layer
         return submit_experts(self.inner, layer, hidden, routing)
 
-    def take(self) -> int | None:
-        """Distinct (layer, expert) pairs since the last call; None if no MoE layer ran."""
-        if not self._active:
+    def take(self, count: bool = True) -> int | None:
+        """Distinct (layer, expert) pairs since the last call; None if no MoE layer ran or
+        ``count`` is False (the step is not fed to the cost model: forget it uncounted)."""
+        if not self._active or not count:
+            self._active.clear()
             return None
         total = int(torch.count_nonzero(torch.stack(self._active)))
         self._active.clear()

@@ -26,7 +26,14 @@ class ControllerSettings:
             step's measured / predicted time in the per-mode calibration of predictions.
         explore_interval_steps: while the realised on/off margin is thin (or not yet measured),
             every this many decode steps one explore step runs the other mode; 4x as many
-            otherwise.
+            otherwise, doubling after each explore step that leaves the margin wide, up to
+            ``2 ** explore_backoff_doublings`` times that (:class:`engine.spec_cost.RealisedCheck`).
+        explore_backoff_doublings: see ``explore_interval_steps``; 2: at a wide margin the
+            explore interval goes 32, 64, 128 decode steps.
+        settled_fit_interval_steps: while the realised rates keep speculation off by a wide margin,
+            only one plain-decoding step in this many is metered and fed to the cost model (its
+            fit matters then only at explore steps and for latency budgets; metering and fitting
+            cost ~2 % of a batch-1 step of the bundled pair).
         thin_margin: a realised ratio (drafting / off) within this (relative) of the switching
             point (``1 + required_gain``) counts as a thin margin.
         goodput_decay: per-step decay of the realised goodput sums (0.99: ~100 steps' memory).
@@ -43,6 +50,8 @@ class ControllerSettings:
     global_decay: float = 0.995
     calibration_rate: float = 0.2
     explore_interval_steps: int = 8
+    explore_backoff_doublings: int = 2
+    settled_fit_interval_steps: int = 8
     thin_margin: float = 0.2
     goodput_decay: float = 0.99
     goodput_min_steps: float = 2.0

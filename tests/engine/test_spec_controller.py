@@ -201,6 +201,58 @@ def test_realised_check_switches_around_the_required_gain():
     assert check(1.12).standing(4, on=False) is True
 
 
+def explore_gaps(rc: RealisedCheck, drafting_ratio: float, steps: int) -> list[int]:
+    """Drive ``rc`` with plain steps at 400 tok/s and its explore steps (drafting) at
+    ``400 x drafting_ratio``; the gaps in steps between explore steps."""
+    gaps, last = [], 0
+    for t in range(1, steps + 1):
+        _, explore = rc.verdict(4, on=False)
+        if explore:
+            gaps.append(t - last)
+            last = t
+        rc.observe(4, explore, 8 if explore else 4, 0.020 / drafting_ratio if explore else 0.010)
+    return gaps
+
+
+def test_explore_steps_back_off_while_the_margin_stays_wide_and_not_when_thin():
+    """Drafting realises half plain decoding's rate: explore steps (each a loss) come every 32, 64,
+    then 128 steps, and the rarely measured drafting rate stays trusted between them. At 0.95 of
+    plain decoding (a thin margin) they stay every 8 steps."""
+    def check(doublings: int, drafting_ratio: float) -> RealisedCheck:
+        rc = RealisedCheck(0.05, 8, 0.2, 0.99, 2.0, required_gain=0.05, explore_backoff_doublings=doublings)
+        for _ in range(3):  # both modes measured
+            rc.observe(4, False, 4, 0.010)
+            rc.observe(4, True, 8, 0.020 / drafting_ratio)
+        return rc
+    gaps = explore_gaps(check(2, 0.5), 0.5, 1000)
+    assert gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {128}
+    assert explore_gaps(check(0, 0.5), 0.5, 1000) == [32] * 31  # no backoff: the old cadence
+    assert set(explore_gaps(check(2, 0.95), 0.95, 400)) == {8}
+    # Drafting turning good again (0.5 -> 0.95 of plain) thins the margin at the next explore
+    # steps, and the cadence is back to every 8 steps.
+    recovered = explore_gaps(check(2, 0.5), 0.95, 600)
+    assert 8 in recovered and recovered[-3:] == [8, 8, 8]
+
+
+def test_settled_off_steps_feed_the_cost_model_one_in_n():
+    """Once the realised rates keep speculation off by a wide margin, only one plain step in
+    ``settled_fit_interval_steps`` is metered and fed to the cost model; explore steps always are."""
+    ctl = controller(settled_fit_interval_steps=4)
+    caps = {"a": 8}
+    for _ in range(3):
+        ctl.realised.observe(1, False, 1, 0.010)
+        ctl.realised.observe(1, True, 2, 0.040)  # drafting: half plain decoding's rate
+    ctl._decode_steps = ctl.settings.warmup_steps  # warm-up done
+    plain_fits, explore_fits = [], []
+    for _ in range(200):
+        decision = ctl.plan(caps, 1)
+        drafted = sum(decision.k.values()) > 0
+        (explore_fits if drafted else plain_fits).append(ctl.fits_last_step)
+        ctl.observe_goodput(2 if drafted else 1, 0.040 if drafted else 0.010)
+    assert explore_fits and all(explore_fits)
+    assert sum(plain_fits) == pytest.approx(len(plain_fits) / 4, abs=1)
+
+
 def test_expert_activation_learns_routing_skew():
     act = ExpertActivation(num_experts=8, num_moe_layers=2, top_k=2)
     assert act.predict(np.array([1]))[0] == pytest.approx(2 * 8 * 0.25)
