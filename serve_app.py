@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (KeyboardInterrupt, SystemExit):
         print("specmoe: interrupted while starting; shutting down")
+        ignore_sigterm_while_stopping()
         _stop_if_started()
         return 0
     print(f"specmoe is serving {config.model_name!r} at {url}/v1")
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):
         print("specmoe: shutting down")
     finally:
+        ignore_sigterm_while_stopping()
         t0 = time.monotonic()
         stop()
         print(f"specmoe: stopped in {time.monotonic() - t0:.1f} s")
@@ -320,6 +322,13 @@ def install_signal_handlers() -> None:
 
 def _sigterm(*_) -> None:
     raise SystemExit(0)
+
+
+def ignore_sigterm_while_stopping() -> None:
+    """A SIGTERM during :func:`stop` must not cut the drain and Serve's shutdown short: ``kill -TERM
+    -<pgid>`` on ``make serve`` can deliver two (the group's, and the one GNU make forwards to its
+    child). Stopping is bounded (the drain's timeout, then Serve's own); Ctrl-C still interrupts."""
+    signal.signal(signal.SIGTERM, lambda *_: print("specmoe: already shutting down", file=sys.stderr))
 
 
 def _stop_if_started() -> None:

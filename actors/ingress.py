@@ -52,6 +52,9 @@ ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "inval
 RETRY_AFTER_S = {503: 1}  # Retry-After of a full queue or a shutting-down replica
 UNAVAILABLE_RETRY_AFTER_S = 5  # while the verifier is gone: about a replica restart
 PROBE_INTERVAL_S = 0.5  # how often a gone verifier is asked whether it is back
+# /health's wait for the verifier: a load balancer's probe gives up after a few seconds (Kubernetes'
+# default: 1 s), and a step of the embedded config lasts tens of ms, so 2 s is a hung or absent engine.
+HEALTH_TIMEOUT_S = 2.0
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -178,10 +181,16 @@ class IngressServer:
                 "max_model_len": self.max_model_len}
 
     async def health(self) -> Response:
+        """200 once the verifier answers between two engine steps; 503 within ``HEALTH_TIMEOUT_S``
+        otherwise (still starting: the handle would queue the call until a replica is up; restarting;
+        or a hung engine step), never a wait as long as a start may take."""
         if self._probe is not None:
             return _error(503, "verifier unavailable (restarting)", headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
         try:
-            await asyncio.wait_for(self.verifier.stats.remote(), self.config.verifier_start_timeout_s)
+            await asyncio.wait_for(self.verifier.stats.remote(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return _error(503, f"verifier not answering within {HEALTH_TIMEOUT_S:g} s (starting, or a step hung)",
+                          headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
         except Exception as e:
             return _error(503, f"verifier unavailable: {type(e).__name__}: {e}")
         return Response(status_code=200)

@@ -145,9 +145,10 @@ class LLMEngine:
                                f"engine's num_speculative_tokens), got {k}", param="num_speculative_tokens")
         vocab_size = self.target.config.vocab_size
         check_prompt(prompt_token_ids, params.max_tokens, vocab_size, self.max_model_len)
-        if any(t >= vocab_size for t in params.stop_token_ids or ()):
+        bad = [t for t in params.stop_token_ids or () if t >= vocab_size]
+        if bad:  # the first few only: a long list must not come back whole in the error
             raise RequestError(f"'stop_token_ids' must be below the vocabulary size {vocab_size}, got "
-                               f"{params.stop_token_ids}", param="stop_token_ids")
+                               f"{bad[:5]}{' ...' if len(bad) > 5 else ''}", param="stop_token_ids")
         if self.target.tokenizer is None:
             check_without_tokenizer(False, params.stop)
         if not self.scheduler.can_accept(params.n):

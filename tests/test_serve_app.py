@@ -2,6 +2,7 @@
 
 import os
 import socket
+import time
 
 import msgspec
 import pytest
@@ -215,6 +216,33 @@ def test_sigint_stops_the_server_even_when_started_with_it_ignored():
     finally:
         signal.signal(signal.SIGINT, saved[0])
         signal.signal(signal.SIGTERM, saved[1])
+
+
+def test_a_second_sigterm_does_not_cut_the_shutdown_short(monkeypatch, capsys):
+    """`kill -TERM -<pgid>` on `make serve`: GNU make forwards the group's SIGTERM to serve_app.py,
+    which can get it twice; the second arrives during stop() and must not abort the drain (a new
+    user found streams cut without their 503 chunk and Serve's shutdown skipped)."""
+    import signal
+    import threading
+
+    stopped = []
+
+    def fake_stop(*_):
+        os.kill(os.getpid(), signal.SIGTERM)  # the forwarded copy, mid-drain
+        time.sleep(0.05)  # the handler runs here
+        stopped.append(True)
+
+    monkeypatch.setattr(serve_app, "start", lambda *a, **k: "http://127.0.0.1:1")
+    monkeypatch.setattr(serve_app, "stop", fake_stop)
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    try:
+        assert serve_app.main([]) == 0
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])
+    assert stopped == [True]
+    assert "already shutting down" in capsys.readouterr().err
 
 
 def test_embedded_start_ignores_a_stale_ray_current_cluster(monkeypatch):

@@ -4,6 +4,7 @@ error chunks for streams already started."""
 
 import asyncio
 import json
+import time
 
 import httpx
 import msgspec
@@ -62,7 +63,7 @@ class FakeVerifier:
     def __init__(self) -> None:
         self.streams: list[FakeStream] = []
         self.calls: list[tuple] = []
-        self.down = False
+        self.down = self.starting = False
         self.generate = type("G", (), {"remote": lambda _, *a: self._generate(a)})()
         self.stats = type("S", (), {"remote": lambda _: self._stats()})()
 
@@ -73,6 +74,8 @@ class FakeVerifier:
     async def _stats(self) -> dict:
         if self.down:
             raise ActorDiedError()
+        if self.starting:  # no replica yet: Serve's handle queues the call
+            await asyncio.Event().wait()
         return {}
 
 
@@ -168,6 +171,32 @@ def test_a_dead_verifier_gives_503_with_retry_after_until_it_is_back():
     assert len(verifier.calls) == 4  # each failed request tried one resubmission, never accepted
     events = _sse_events(streamed.text)
     assert events[-2]["error"]["code"] == 503 and events[-1] == "[DONE]"
+
+
+@pytest.mark.timeout(60)
+def test_health_answers_503_promptly_while_the_verifier_is_starting(monkeypatch):
+    """A new user's `curl -m 2 /health` during start-up hung: the ingress waited on the verifier for
+    up to its start timeout (300 s). It answers 503 + Retry-After after HEALTH_TIMEOUT_S, then 200."""
+    from actors import ingress
+
+    monkeypatch.setattr(ingress, "HEALTH_TIMEOUT_S", 0.2)
+    verifier = FakeVerifier()
+    verifier.starting = True
+    _, app = _server(verifier)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            t0 = time.monotonic()
+            starting = await client.get("/health")
+            waited_s = time.monotonic() - t0
+            verifier.starting = False
+            return starting, waited_s, await client.get("/health")
+
+    starting, waited_s, ready = asyncio.run(go())
+    assert (starting.status_code, starting.headers["retry-after"]) == (503, "5") and 0.2 <= waited_s < 2
+    assert "not answering within 0.2 s" in starting.json()["error"]["message"]
+    assert ready.status_code == 200
 
 
 @pytest.mark.timeout(60)

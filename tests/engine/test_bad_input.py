@@ -115,6 +115,10 @@ def test_a_request_may_lower_its_draft_length_but_not_raise_it_and_stop_ids_are_
     with pytest.raises(RequestError, match=rf"below the vocabulary size {vocab_size}") as err:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop_token_ids=[3, vocab_size]))
     assert err.value.param == "stop_token_ids" and not llm.engine.has_unfinished_requests()
+    with pytest.raises(RequestError) as err:  # a long bad list is not echoed back whole
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop_token_ids=list(range(100_000))))
+    assert str(err.value).endswith(f"got [{vocab_size}, {vocab_size + 1}, {vocab_size + 2}, {vocab_size + 3}, "
+                                   f"{vocab_size + 4}] ...") and len(str(err.value)) < 200
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
