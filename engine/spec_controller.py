@@ -106,13 +106,15 @@ class SpeculationController:
         self.calibration = {False: 1.0, True: 1.0}
         self._ready: dict[str, int] = {}  # windows probably drafted ahead, for the next plan only
         self.realised = RealisedCheck(s.hysteresis, s.explore_interval_steps, s.thin_margin, s.goodput_decay,
-                                      s.goodput_min_steps, s.required_gain, s.explore_backoff_doublings)
+                                      s.goodput_min_steps, s.required_gain, s.explore_backoff_doublings,
+                                      s.explore_run_steps)
         self.last = Decision()
         # Whether the last planned step should be metered and fed to the cost model
         # (:meth:`observe_step`): all but one in ``settled_fit_interval_steps`` of the plain steps
         # the realised rates keep off by a wide margin are not.
         self.fits_last_step = True
         self._settled_steps = 0
+        self._drafted_last = False  # whether the last pure-decode step drafted
 
     # ------------------------------------------------------------------ decisions
     def plan(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int = 0,
@@ -393,10 +395,14 @@ class SpeculationController:
         catch-up on a prompt it had not seen: that is what drafting costs a short request).
 
         Only the controller's own choices and explore steps count: warm-up and probe lengths are
-        not its policy."""
-        if self.policy != "adaptive" or self.last.reason not in ("adaptive", "explore") or step_s <= 0:
+        not its policy. Nor does a step that switches drafting on after a plain one: it pays the
+        drafter's catch-up on every token it missed while off, a one-off cost of switching whose
+        size grows with the off stretch."""
+        drafting = any(self.last.k.values())
+        switching, self._drafted_last = drafting and not self._drafted_last, drafting
+        if self.policy != "adaptive" or self.last.reason not in ("adaptive", "explore") or step_s <= 0 or switching:
             return
-        self.realised.observe(len(self.last.k), any(self.last.k.values()), num_emitted, step_s)
+        self.realised.observe(len(self.last.k), drafting, num_emitted, step_s)
 
     def release(self, seq_id: str) -> None:
         """Forget a finished sequence's estimates."""

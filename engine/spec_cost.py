@@ -232,12 +232,20 @@ class RealisedCheck:
         decay, min_steps: of each bucket's :class:`RealisedGoodput`.
         required_gain: relative gain over plain decoding drafting must realise to stay on.
         explore_backoff_doublings: see ``explore_interval_steps`` (0: no backoff).
+        explore_run_steps: an explore of drafting (while off) lasts this many pure-decode steps in
+            a row: its first step pays the drafter's catch-up on everything it missed while off, a
+            cost of switching that the controller leaves out of the drafting figure
+            (:meth:`SpeculationController.observe_goodput`), so the steps after it measure
+            drafting's own rate.
     """
 
     def __init__(self, hysteresis: float, explore_interval_steps: int, thin_margin: float, decay: float,
-                 min_steps: float, required_gain: float, explore_backoff_doublings: int = 0) -> None:
+                 min_steps: float, required_gain: float, explore_backoff_doublings: int = 0,
+                 explore_run_steps: int = 1) -> None:
         self.hysteresis, self.explore_interval_steps, self.thin_margin = hysteresis, explore_interval_steps, thin_margin
         self.required_gain, self.explore_backoff_doublings = required_gain, explore_backoff_doublings
+        self.explore_run_steps = explore_run_steps
+        self._run_left = 0  # further steps of the explore run under way
         self.decay, self.min_steps = decay, min_steps
         self._buckets: dict[int, RealisedGoodput] = {}
         self._by_size: dict[int, RealisedGoodput] = {}  # num_decodes -> its bucket's (a lookup a step)
@@ -269,6 +277,11 @@ class RealisedCheck:
         if not any(goodput.steps):
             return None
         rates = goodput.rates()
+        standing = self._standing(rates, on)
+        if self._run_left and standing is False:  # an explore run of drafting goes on
+            self._run_left -= 1
+            return standing, True
+        self._run_left = 0
         self._since_explore += 1
         if self._thin(rates):
             self._wide_explores, interval = 0, self.explore_interval_steps
@@ -278,7 +291,8 @@ class RealisedCheck:
         if explore:
             self._since_explore = 0
             self._wide_explores += not self._thin(rates)
-        return self._standing(rates, on), explore
+            self._run_left = self.explore_run_steps - 1 if standing is False else 0
+        return standing, explore
 
     def settled_off(self, num_decodes: int, on: bool) -> bool:
         """Whether the realised rates say off by more than the thin margin: probes of the cost

@@ -30,6 +30,9 @@ class ControllerSettings:
             ``2 ** explore_backoff_doublings`` times that (:class:`engine.spec_cost.RealisedCheck`).
         explore_backoff_doublings: see ``explore_interval_steps``; 2: at a wide margin the
             explore interval goes 32, 64, 128 decode steps.
+        explore_run_steps: pure-decode steps an explore of drafting lasts (while off); the first,
+            which pays the drafter's catch-up, is left out of the realised drafting figure
+            (:class:`engine.spec_cost.RealisedCheck`).
         settled_fit_interval_steps: while the realised rates keep speculation off by a wide margin,
             only one plain-decoding step in this many is metered and fed to the cost model (its
             fit matters then only at explore steps and for latency budgets; metering and fitting
@@ -51,6 +54,7 @@ class ControllerSettings:
     calibration_rate: float = 0.2
     explore_interval_steps: int = 8
     explore_backoff_doublings: int = 2
+    explore_run_steps: int = 3
     settled_fit_interval_steps: int = 8
     thin_margin: float = 0.2
     goodput_decay: float = 0.99

@@ -234,6 +234,36 @@ def test_explore_steps_back_off_while_the_margin_stays_wide_and_not_when_thin():
     assert 8 in recovered and recovered[-3:] == [8, 8, 8]
 
 
+def test_an_explore_of_drafting_is_a_run_whose_switch_step_is_not_counted():
+    """Kept off, the drafter misses every token, and the first drafting step feeds it all of them
+    (at concurrency 1 over HTTP that made drafting look slower than plain decoding, and the
+    controller stayed off in 4 of 6 runs). An explore of drafting lasts 3 steps; the first is left
+    out of the realised drafting figure, the other two measure drafting's own rate."""
+    def drive(run_steps: int) -> tuple[str, list[float]]:
+        ctl = controller(explore_run_steps=run_steps)
+        for _ in range(3):
+            ctl.realised.observe(1, False, 1, 0.010)
+            ctl.realised.observe(1, True, 2, 0.040)  # drafting at half plain decoding's rate: off
+        ctl._decode_steps = ctl.settings.warmup_steps
+        modes, counted = "", []
+        for _ in range(150):
+            drafted = sum(ctl.plan({"a": 8}, 1).k.values()) > 0
+            switch = drafted and modes[-1:] == "."
+            modes += "d" if drafted else "."
+            before = ctl.realised.bucket(1).steps[1]
+            # Drafting: 3 tokens in 10 ms (300 tok/s against 100 plain), 100 ms on a switch step.
+            ctl.observe_goodput(3 if drafted else 1, (0.100 if switch else 0.010) if drafted else 0.010)
+            counted.append(ctl.realised.bucket(1).steps[1] - before)
+        return modes, counted
+
+    modes, counted = drive(3)
+    first = modes.index("d")
+    assert modes[first:first + 4] == "ddd." and counted[first:first + 3] == [0, 1, 1]
+    assert modes[-60:].count("d") >= 54  # drafting's own rate showed: on (explores of off aside)
+    one_step_modes, _ = drive(1)  # single explore steps are all switch steps: drafting never shows
+    assert "dd" not in one_step_modes and one_step_modes.endswith("." * 30)
+
+
 def test_settled_off_steps_feed_the_cost_model_one_in_n():
     """Once the realised rates keep speculation off by a wide margin, only one plain step in
     ``settled_fit_interval_steps`` is metered and fed to the cost model; explore steps always are."""
