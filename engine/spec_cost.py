@@ -283,14 +283,15 @@ class RealisedCheck:
             return standing, True
         self._run_left = 0
         self._since_explore += 1
-        if self._thin(rates):
+        thin = self._thin(rates)
+        if thin:
             self._wide_explores, interval = 0, self.explore_interval_steps
         else:
             interval = self.explore_interval_steps * 4 << min(self._wide_explores, self.explore_backoff_doublings)
         explore = self._since_explore >= interval
         if explore:
             self._since_explore = 0
-            self._wide_explores += not self._thin(rates)
+            self._wide_explores += not thin
             self._run_left = self.explore_run_steps - 1 if standing is False else 0
         return standing, explore
 
