@@ -305,6 +305,12 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             elsewhere, that variable belongs in the Ray nodes' environment). ``actor_calls``:
             Serve's default, Ray actor calls with results as object refs. Measured in
             docs/TRANSPORT.md (concurrency 8: ~10-25 % more output tokens/s with ``grpc``).
+        draft_transport: how the engine thread reaches its draft actor each step.
+            ``compiled_graph`` (default): a compiled graph with the ``experts`` section's graph
+            settings (~0.1-0.5 ms a hop). ``actor_calls``: a plain actor call (~1.5-2 ms), and
+            no draft actor polling for work: a graph's idle reader spins (``sched_yield``), and
+            with the expert actor's reader and the engine thread's own wait that is one spinner
+            more than a 2-core machine has cores (docs/TRANSPORT.md, "Draft transport").
         tracing: OpenTelemetry settings (see :mod:`observability.tracing`); None = environment only.
     """
 
@@ -320,6 +326,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_step_timeout_s: float = 60.0
     stream_batching_interval_ms: float = 0.0
     serve_transport: Literal["grpc", "actor_calls"] = "grpc"
+    draft_transport: Literal["compiled_graph", "actor_calls"] = "compiled_graph"
     tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:

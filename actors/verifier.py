@@ -157,7 +157,8 @@ class VerifierServer:
                                   e.speculative_method, e.model, layers,
                                   e.pipelined_drafting)
             # A head whose tensors do not load is refused at start-up (_build_loaded waits for it).
-            drafter = RemoteDrafter(spec, x.call_timeout_s, graph_config=x if x.transport == "compiled_graph" else None)
+            graph = x if self.config.draft_transport == "compiled_graph" else None
+            drafter = RemoteDrafter(spec, x.call_timeout_s, graph_config=graph)
         elif e.speculative_method == "ngram":
             drafter = NgramDrafter(e.ngram_min_n, e.ngram_max_n)
         else:

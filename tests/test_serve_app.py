@@ -292,3 +292,34 @@ def test_serve_transport_sets_the_proxy_env_and_the_ingress_handle(transport, gr
 def test_an_unknown_serve_transport_names_the_field():
     with pytest.raises(msgspec.ValidationError, match=r"serve_transport"):
         msgspec.convert({"model_name": "m", "engine": {"model": "x"}, "serve_transport": "zmq"}, ServeConfig)
+
+
+@pytest.mark.parametrize("transport, graph", [("compiled_graph", True), ("actor_calls", False)])
+def test_draft_transport_picks_the_draft_actors_hop(monkeypatch, transport, graph):
+    """``draft_transport`` decides whether the verifier's RemoteDrafter gets graph settings (a
+    compiled graph to its draft actor) or none (plain actor calls)."""
+    import actors.draft_server
+    from actors.verifier import VerifierServer
+
+    class Built(Exception):
+        pass
+
+    def remote_drafter(spec, timeout_s, graph_config=None):
+        raise Built(graph_config)
+
+    monkeypatch.setattr(actors.draft_server, "RemoteDrafter", remote_drafter)
+    config = {"model_name": "m", "engine": {"model": "checkpoints/stdlib-moe-target",
+                                            "draft_model": "checkpoints/stdlib-draft"},
+              "draft_transport": transport}
+    server = VerifierServer(config, engine_factory=lambda: None)
+    server.tag = "test"  # set by _build_pool in a replica
+    with pytest.raises(Built) as built:
+        server.build_engine()
+    assert (built.value.args[0] is not None) == graph
+    if graph:
+        assert built.value.args[0] == server.config.experts  # the experts section's graph settings
+
+
+def test_an_unknown_draft_transport_names_the_field():
+    with pytest.raises(msgspec.ValidationError, match=r"draft_transport"):
+        msgspec.convert({"model_name": "m", "engine": {"model": "x"}, "draft_transport": "nccl"}, ServeConfig)
