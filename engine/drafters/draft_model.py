@@ -69,26 +69,33 @@ class CachedDrafter:
         return ForwardBatch.build([slots[b] for b in active], [feeds[b] for b in active],
                                   [starts[b] for b in active], device=device)
 
-    def _append_draft(self, r: DraftRequest, logits: torch.Tensor, b: int, tokens: list[list[int]],
-                      probs: list[list[torch.Tensor]], starts: list[int], feeds: list[list[int]]) -> None:
-        """One drafted token of request ``b``: sampled from ``logits`` ``(vocab,)``, recorded with
-        its ``q`` (sampling only), and fed at the next draft step."""
-        token, q = self._sample(r, logits)
-        tokens[b].append(token)
-        if q is not None:
-            probs[b].append(q)
-        starts[b] += len(feeds[b])
-        feeds[b] = [token]
+    def _append_drafts(self, requests: list[DraftRequest], logits: torch.Tensor, active: list[int],
+                       tokens: list[list[int]], probs: list[list[torch.Tensor]], starts: list[int],
+                       feeds: list[list[int]]) -> None:
+        """One drafted token for each ``active`` request from ``logits`` ``(len(active), vocab)``,
+        recorded with its ``q`` (sampling only) and fed at the next draft step.
 
-    def _sample(self, r: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Greedy: argmax, no q needed. Sampling: q from the same temperature/top-k/top-p rule
-        the target uses, drawn with the request's own generator."""
-        if r.temperature == 0 or r.generator is None:
-            return int(greedy_argmax(logits[None])[0]), None
-        q = compute_probs(logits[None], torch.tensor([r.temperature]), torch.tensor([r.top_k]),
-                          torch.tensor([r.top_p], dtype=torch.float32))
-        token = inverse_cdf_sample(q, draw_uniforms(r.generator, 1).to(q.device))
-        return int(token[0]), q[0]
+        Greedy rows: the argmax. Sampled rows: ``q`` from the same temperature/top-k/top-p rule the
+        target uses (one :func:`compute_probs` call for all of them: the rule is row-wise), each
+        drawn with one uniform from its own request's generator, as before, so a request's drafts
+        do not depend on its batch.
+        """
+        ids = greedy_argmax(logits).tolist()
+        rows = [row for row, b in enumerate(active) if requests[b].temperature != 0
+                and requests[b].generator is not None]
+        if rows:
+            rs = [requests[active[row]] for row in rows]
+            q = compute_probs(logits[rows], torch.tensor([r.temperature for r in rs]),
+                              torch.tensor([r.top_k for r in rs]),
+                              torch.tensor([r.top_p for r in rs], dtype=torch.float32))
+            uniforms = torch.cat([draw_uniforms(r.generator, 1) for r in rs]).to(q.device)
+            for i, (row, token) in enumerate(zip(rows, inverse_cdf_sample(q, uniforms).tolist())):
+                ids[row] = token
+                probs[active[row]].append(q[i])
+        for row, b in enumerate(active):
+            tokens[b].append(ids[row])
+            starts[b] += len(feeds[b])
+            feeds[b] = [ids[row]]
 
 
 class DraftModelDrafter(CachedDrafter):
@@ -125,8 +132,7 @@ class DraftModelDrafter(CachedDrafter):
         for step in range(max(r.k for r in requests)):
             batch = self._step_batch(active, slots, feeds, starts, self.draft.model.device)
             logits = self.draft.model.forward(batch, self.kv)  # (len(active), vocab)
-            for row, b in enumerate(active):
-                self._append_draft(requests[b], logits[row], b, tokens, probs, starts, feeds)
+            self._append_drafts(requests, logits, active, tokens, probs, starts, feeds)
             active = [b for b in active if requests[b].k > step + 1]
             if not active:
                 break

@@ -81,8 +81,7 @@ class EagleDrafter(CachedDrafter):
         for step in range(max(r.k for r in requests)):
             batch = self._step_batch(active, slots, feeds, starts, self.head.device)
             logits, out = self.head.forward(batch, self.kv, features)  # (len(active), vocab), (.., hidden)
-            for row, b in enumerate(active):
-                self._append_draft(requests[b], logits[row], b, tokens, probs, starts, feeds)
+            self._append_drafts(requests, logits, active, tokens, probs, starts, feeds)
             keep_rows = [row for row, b in enumerate(active) if requests[b].k > step + 1]
             active = [active[row] for row in keep_rows]
             if not active:
