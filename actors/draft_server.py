@@ -46,7 +46,9 @@ def requests_to_wire(requests: list[DraftRequest], shipped: dict[str, int] | Non
     """Wire dicts; ``shipped[seq_id]`` feature rows the actor already has are left out."""
     shipped = shipped or {}
     return [{"seq_id": r.seq_id, "token_ids": list(r.token_ids), "k": r.k, "temperature": r.temperature,
-             "top_k": r.top_k, "top_p": r.top_p, "generator": _gen_state(r.generator),
+             "top_k": r.top_k, "top_p": r.top_p, "race_seed": r.race_seed,
+             # a race row draws nothing from its generator: its state stays home
+             "generator": _gen_state(r.generator) if r.race_seed is None else None,
              **_features_to_wire(r, shipped.get(r.seq_id, 0))} for r in requests]
 
 
@@ -61,7 +63,7 @@ def _features_to_wire(r: DraftRequest, start: int) -> dict:
 
 def requests_from_wire(wire: list[dict]) -> list[DraftRequest]:
     return [DraftRequest(w["seq_id"], w["token_ids"], w["k"], w["temperature"], w["top_k"], w["top_p"],
-                         _gen_from(w["generator"]), *_features_from_wire(w)) for w in wire]
+                         _gen_from(w["generator"]), *_features_from_wire(w), race_seed=w["race_seed"]) for w in wire]
 
 
 def _features_from_wire(w: dict) -> tuple[torch.Tensor | None, int]:

@@ -246,15 +246,13 @@ class LLMEngine:
 
     def _plan(self, sched: SchedulerOutput) -> Decision:
         """Each decoding sequence's draft length this step, from the controller."""
-        caps, fixed = {}, {}
-        for seq in sched.decodes:  # seeded sampling keeps its k so the seed reproduces its output
-            (fixed if seq.params.seed is not None and not seq.params.greedy else caps)[seq.seq_id] = \
-                self._k_for(seq, sched.speculate)
+        # Seeded sampling too: its tokens are races that no draft length changes (Sequence.race_seed).
+        caps = {seq.seq_id: self._k_for(seq, sched.speculate) for seq in sched.decodes}
         base = sum(sched.chunks.values()) + len(sched.decodes)
         final = sum(1 for s in sched.prefills if sched.chunks[s.seq_id] == s.num_prompt_tokens_left)
         catchup = {s.seq_id: s.num_tokens - s.num_draft_seen for s in sched.decodes}
         remaining = {s.seq_id: s.params.max_tokens - s.num_output_tokens for s in sched.decodes}
-        decision = self.controller.plan(caps, base, final, fixed, catchup, remaining,
+        decision = self.controller.plan(caps, base, final, catchup, remaining,
                                         self.slo.tpot_slack(sched.decodes))
         for k in decision.k.values():
             self.draft_length_counts[k] += 1
@@ -268,7 +266,8 @@ class LLMEngine:
         reqs = [
             DraftRequest(seq.seq_id, seq.token_ids, k, seq.params.temperature, seq.params.top_k,
                          seq.params.top_p, seq.generator,
-                         self.features.get(seq.seq_id) if self.features is not None else None)
+                         self.features.get(seq.seq_id) if self.features is not None else None,
+                         race_seed=seq.race_seed)
             for seq in decodes
             if (k := decision.k.get(seq.seq_id, 0)) > 0
         ]
@@ -341,7 +340,9 @@ class LLMEngine:
             return
         with self.observer.phase(PHASE_VERIFY):
             batch = build_verify_batch(logits, num_logits, draft_lists, [drafts.get(s.seq_id) for s in seqs],
-                                       [s.generator for s in seqs], [s.params for s in seqs])
+                                       [s.generator for s in seqs], [s.params for s in seqs],
+                                       [(s.race_seed, s.num_tokens) if s.race_seed is not None else None
+                                        for s in seqs])
             out_ids, num_acc = verify(batch)
             self._emit_all(seqs, starts, new_tokens, draft_lists, logits, num_logits, out_ids, num_acc, feats)
 

@@ -144,3 +144,45 @@ def make_generator(seed: int | None) -> torch.Generator:
 def draw_uniforms(gen: torch.Generator, n: int) -> torch.Tensor:
     """``(n,)`` float32 uniforms in ``[0, 1)`` from ``gen`` only (on CPU; move them as needed)."""
     return torch.rand(n, generator=gen, dtype=torch.float32)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for (seed, position): SplitMix64's finaliser of their combination, so
+    nearby seeds and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def race_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """``(vocab,)`` float32 Exp(1) draws for the token at ``position`` of a seeded sequence: a
+    function of ``(seed, position)`` only (never of k, the batch or what was drawn before).
+
+    ``argmax(p / noise)`` is then a sample from ``p`` (the exponential race, the same as the
+    Gumbel-max trick: ``argmax(log p + g)`` with ``g = -log(noise)``). When the draft model proposes
+    ``argmax(q / noise)`` with the *same* noise, the target's token at that position does not
+    depend on the drafter or on k at all, and the draft matches it with probability at least
+    ``(1 - TV(p, q)) / (1 + TV(p, q))`` (Daliri, Musco and Suresh 2024, "Coupling without
+    communication and drafter-invariant speculative decoding", Theorem 1). Draws are clamped to
+    ``>= 1e-30`` so a zero draw cannot divide by zero (``p / 1e-30`` is still finite in float32).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(_position_seed(seed, position))
+    return torch.empty(vocab, dtype=torch.float32).exponential_(generator=gen).clamp_(min=1e-30)
+
+
+def race_scores(probs: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
+    """``probs / noise`` for rows at consecutive positions from ``first_position``: the argmax of
+    row ``j`` is the sequence's token at ``first_position + j`` (see :func:`race_noise`).
+
+    Args:
+        probs: ``(S, V)`` float32 sampling distributions (from :func:`compute_probs`), any device.
+
+    Returns:
+        ``(S, V)`` float32 scores on ``probs.device``; only their argmax means anything.
+    """
+    noise = torch.stack([race_noise(seed, first_position + j, probs.shape[-1]) for j in range(probs.shape[0])])
+    return probs / noise.to(probs.device)

@@ -31,6 +31,11 @@ class Sequence:
         slot: target KV cache slot while running, else None.
         num_draft_seen: ``num_tokens`` when the drafter last drafted for this sequence (0: never);
             what came since is the drafter's catch-up when it drafts again.
+        race_seed: a seeded sampled sequence's seed: its token at each position is the
+            exponential race of :func:`engine.sampling.race_noise` (the same with or without
+            drafts, whatever k), so the seed reproduces its output whatever the draft lengths
+            the controller picks. None: greedy, or sampled without a seed (the rejection sampler
+            with this sequence's generator).
     """
 
     seq_id: str
@@ -45,20 +50,24 @@ class Sequence:
     slot: int | None = None
     num_cached: int = 0
     num_draft_seen: int = 0
+    race_seed: int | None = None
 
     @classmethod
     def sample_of(cls, request: RequestOutput, index: int, params: SamplingParams, k: int, tokenizer,
                   eos_token_id: int | None) -> Sequence:
         """Sample ``index`` of ``request`` (``params.n`` in all), its completion appended to the
         request's outputs. A seeded request's samples use ``seed + index`` (vLLM's rule for ``n``
-        seeded samples), others a random seed; greedy ones need no generator."""
+        seeded samples) as their ``race_seed``, others a random generator seed; greedy ones need
+        no generator."""
         completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
         request.outputs.append(completion)
         seed = (params.seed + index) % (MAX_SEED + 1) if params.seed is not None \
             else int.from_bytes(os.urandom(7), "little")
         state = SequenceOutputState(tokenizer, params, eos_token_id, request.prompt_token_ids)
         gen = None if params.greedy else make_generator(seed)
-        return cls(f"{request.request_id}-{index}", index, request, params, state, gen, k, completion)
+        race_seed = seed if params.seed is not None and not params.greedy else None
+        return cls(f"{request.request_id}-{index}", index, request, params, state, gen, k, completion,
+                   race_seed=race_seed)
 
     @property
     def request_id(self) -> str:

@@ -118,7 +118,7 @@ class SpeculationController:
 
     # ------------------------------------------------------------------ decisions
     def plan(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int = 0,
-             fixed: dict[str, int] | None = None, catchup: dict[str, int] | None = None,
+             catchup: dict[str, int] | None = None,
              remaining: dict[str, int] | None = None,
              tpot: dict[str, tuple[float, float]] | None = None) -> Decision:
         """Draft lengths for this step.
@@ -126,12 +126,8 @@ class SpeculationController:
         Args:
             caps: per decoding sequence id, the most it may draft (its own k, max_tokens, context).
             num_base_tokens: target tokens of the step without drafts (prefill tokens + one per
-                decoding sequence, the ``fixed`` ones included).
+                decoding sequence).
             num_prefills: prefilling sequences (each emits one token).
-            fixed: sequences whose draft length is not the controller's to choose (seeded sampling:
-                the random draws a step consumes depend on k, so a seed reproduces its output only
-                with a k schedule that does not depend on the batch); they draft their cap and are
-                counted in the step's cost.
             catchup: per sequence, tokens the drafter has not seen yet (it ingests them before
                 drafting); missing entries count as 0.
             remaining: per sequence, output tokens it may still produce. A catch-up backlog (a
@@ -144,42 +140,40 @@ class SpeculationController:
                 when none does, those that miss it least: a sequence behind its budget shortens
                 drafts that would stretch the step more than they emit.
         """
-        fixed = fixed or {}
         self.fits_last_step = True
         if self.policy == "fixed" or self.max_k == 0 or not caps or not any(caps.values()):
-            self.last = Decision({**caps, **fixed}, "fixed")
+            self.last = Decision(dict(caps), "fixed")
             return self.last
         self._decode_steps += 1
         s = self.settings
         if self._decode_steps <= s.warmup_steps:
             decision = Decision(self._warmup_k(caps), "warmup")
         elif (self._decode_steps - s.warmup_steps) % s.probe_interval_steps == 0 \
-                and not self.realised.settled_off(len(caps) + len(fixed), self._on):
+                and not self.realised.settled_off(len(caps), self._on):
             probe_ks = (2, self.max_k, 0, max(1, self.max_k // 2))
             k = probe_ks[self._num_probes % len(probe_ks)]
             self._num_probes += 1
             decision = Decision({sid: min(c, k) for sid, c in caps.items()}, "probe")
         else:
-            verdict = self._verdict(len(caps) + len(fixed), num_base_tokens, num_prefills)
+            verdict = self._verdict(len(caps), num_base_tokens, num_prefills)
             # Off by the realised rates, or an explore step of off while they say on (without TPOT
             # budgets, which off might break): the model's choice would be overruled, so it is not
             # computed. A plain-decoding step pays no optimisation, and an explore step measures
             # off as it runs when the rates keep it off.
             explore_off = verdict == (True, True) and not tpot
-            if (verdict == (False, False) or explore_off) and not any(fixed.values()):
+            if verdict == (False, False) or explore_off:
                 decision = Decision(dict.fromkeys(caps, 0), "explore" if explore_off else "adaptive",
-                                    float(len(caps) + len(fixed)), self.predict_step_s(num_base_tokens, refresh=False))
-                if not explore_off and self.realised.settled_off(len(caps) + len(fixed), self._on):
+                                    float(len(caps)), self.predict_step_s(num_base_tokens, refresh=False))
+                if not explore_off and self.realised.settled_off(len(caps), self._on):
                     self._settled_steps += 1
                     self.fits_last_step = self._settled_steps % s.settled_fit_interval_steps == 0
             else:
                 glob = self.estimates.server_wide()  # once per step: every sequence's estimate shrinks toward it
-                decision = self._optimise(caps, num_base_tokens, num_prefills, fixed,
+                decision = self._optimise(caps, num_base_tokens, num_prefills,
                                           self._amortised(caps, catchup or {}, remaining or {}, glob), glob,
                                           tpot or {}, verdict)
             if decision.reason == "adaptive":
                 self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
-        decision.k.update(fixed)
         self._ready.clear()  # a window drafted ahead is good for the next step only
         self.last = decision
         return decision
@@ -225,7 +219,7 @@ class SpeculationController:
         return out
 
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
-                  fixed: dict[str, int], catchup: dict[str, float], glob: np.ndarray,
+                  catchup: dict[str, float], glob: np.ndarray,
                   tpot: dict[str, tuple[float, float]], verdict: tuple[bool | None, bool] | None) -> Decision:
         """The model's best draft lengths, overruled on or off by ``verdict``
         (:meth:`RealisedCheck.verdict`; None: not a pure-decode step, the model decides)."""
@@ -239,19 +233,16 @@ class SpeculationController:
         order = np.lexsort((np.tile(np.arange(self.max_k), len(ids)), -flat, (ready.ravel() < 0.5)))
         order = order[flat[order] > 0]
         n = np.arange(len(order) + 1)  # n = draft tokens in total, 0..all
-        fixed_ids = list(fixed)
-        fixed_gain = float(self._gains(fixed_ids, fixed, glob).sum()) if fixed_ids else 0.0
-        expected = len(ids) + len(fixed) + num_prefills + fixed_gain + np.concatenate(([0.0], np.cumsum(flat[order])))
+        expected = len(ids) + num_prefills + np.concatenate(([0.0], np.cumsum(flat[order])))
         positions = order % self.max_k + 1
         # Draft work each entry costs: a window drafted ahead (pipelined) is free if it is ready.
         work = 1.0 - ready.ravel()[order]
         passes = np.concatenate(([0], np.maximum.accumulate(positions * work))) if len(order) else np.zeros(1)
-        passes = np.maximum(passes, max(fixed.values(), default=0))
-        drafted = np.concatenate(([0.0], np.cumsum(work))) + sum(fixed.values())
-        tokens = num_base_tokens + n + sum(fixed.values())
+        drafted = np.concatenate(([0.0], np.cumsum(work)))
+        tokens = num_base_tokens + n
         # A sequence's catch-up is paid once its first position is in: at the entry of position 1.
         first = np.where(positions == 1, [catchup.get(ids[r], 0) for r in order // self.max_k], 0)
-        caught = sum(catchup.get(sid, 0) for sid, k in fixed.items() if k) + np.concatenate(([0], np.cumsum(first)))
+        caught = np.concatenate(([0], np.cumsum(first)))
         draft_s = np.where(drafted > 0, self.draft_cost.predict(1.0, passes, drafted, caught), 0.0)
         target_s = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
         calibration = np.where(drafted > 0, self.calibration[True], self.calibration[False])
@@ -259,7 +250,7 @@ class SpeculationController:
         # A prefill chunk riding along costs the same whatever is drafted, and diluting the drafts'
         # cost in its time made drafting look cheap: the decodes' drafting is judged by their own
         # rate, step time less the chunk's (a chunk's token is emitted whatever is drafted).
-        chunk_s = self._chunk_s(num_base_tokens, len(ids) + len(fixed)) * calibration
+        chunk_s = self._chunk_s(num_base_tokens, len(ids)) * calibration
         rate = (expected - num_prefills) / np.maximum(step_s - chunk_s, 1e-6)
         if tpot:
             rate = np.where(self._within_tpot(ids, gains, order, step_s, tpot), rate, -np.inf)

@@ -9,9 +9,12 @@ no draft distributions and no uniforms are allocated. Otherwise target probabili
 :func:`engine.sampling.compute_probs` and the rejection sampler (Leviathan et al. 2023,
 Algorithm 1) runs through :func:`kernels.rejection.rejection_sample` (the Triton kernel on CUDA).
 
-Randomness is unchanged from the per-sequence rule: every sampling sequence draws ``2k + 1``
-uniforms from its own CPU generator per step (``k`` accept, ``k + 1`` sample), so a batch's
-composition never changes a request's output.
+Randomness is per sequence, so a batch's composition never changes a request's output. An
+unseeded sampling sequence draws ``2k + 1`` uniforms from its own CPU generator per step (``k``
+accept, ``k + 1`` sample). A seeded one (a *race* row) draws nothing: its token at each position
+is the exponential race of :func:`engine.sampling.race_scores`, a function of its seed and the
+position only, so it is verified like a greedy row on those scores and its output does not depend
+on the draft lengths either.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.drafters.base import DraftProposal
-from engine.sampling import compute_probs, draw_uniforms, greedy_argmax
+from engine.sampling import compute_probs, draw_uniforms, greedy_argmax, race_scores
 from engine.sampling_params import SamplingParams
 from kernels.rejection import greedy_verify, rejection_sample
 
@@ -37,7 +40,8 @@ class VerifyBatch:
             last row (padded positions are never read).
         greedy: ``(B,)`` bool.
         draft_probs: ``(B, K, V)`` float32 draft distributions, or None for an all-greedy batch.
-        target_probs: ``(B, K + 1, V)`` float32, or None for an all-greedy batch.
+        target_probs: ``(B, K + 1, V)`` float32, or None for an all-greedy batch; a race row holds
+            its race scores (:func:`engine.sampling.race_scores`), read only for their argmax.
         accept_u, sample_u: ``(B, K)`` and ``(B, K + 1)`` float32 uniforms, or None (all greedy).
     """
 
@@ -57,7 +61,8 @@ class VerifyBatch:
 
 def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists: list[list[int]],
                        proposals: list[DraftProposal | None], generators: list[torch.Generator | None],
-                       params: list[SamplingParams]) -> VerifyBatch:
+                       params: list[SamplingParams], races: list[tuple[int, int] | None] | None = None
+                       ) -> VerifyBatch:
     """Lay out one step for the rejection sampler.
 
     Args:
@@ -68,12 +73,15 @@ def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists:
             ``probs`` ``(n, V)`` is ``q`` (None: deterministic drafter, ``q`` one-hot).
         generators: each sequence's own generator (None for greedy sequences).
         params: each sequence's sampling parameters.
+        races: per sequence, ``(race seed, position of its first logit row's token)`` for a
+            seeded sampling sequence, else None (None: no race rows).
 
     Returns:
         The :class:`VerifyBatch`, every tensor on ``logits.device``.
     """
     device, batch = logits.device, len(draft_lists)
     k = max(len(d) for d in draft_lists)
+    races = races or [None] * batch
     all_greedy = all(p.temperature == 0 for p in params)
     if k == 0 and all_greedy:  # plain greedy decoding: a view and this batch size's constants
         draft_ids, num_draft, greedy = _no_drafts(batch, device)
@@ -90,14 +98,14 @@ def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists:
         target_logits = logits[torch.tensor(index, dtype=torch.int64).to(device)]  # (B, K + 1, V)
     out = VerifyBatch(torch.tensor(draft_ids, dtype=torch.int64).reshape(batch, k).to(device),
                       torch.tensor([len(d) for d in draft_lists], dtype=torch.int64).to(device), target_logits,
-                      torch.tensor([p.temperature == 0 for p in params]).to(device))
+                      torch.tensor([p.temperature == 0 or r is not None for p, r in zip(params, races)]).to(device))
     if all_greedy:
         return out
     vocab = logits.shape[-1]
     out.draft_probs = torch.zeros(batch, k, vocab, dtype=torch.float32, device=device)
     accept_u, sample_u = torch.zeros(batch, k), torch.zeros(batch, k + 1)
-    for b, (d, proposal, gen) in enumerate(zip(draft_lists, proposals, generators)):
-        if gen is None:  # greedy row in a mixed batch: q and uniforms are never read
+    for b, (d, proposal, gen, race) in enumerate(zip(draft_lists, proposals, generators, races)):
+        if gen is None or race is not None:  # greedy or race row: q and uniforms are never read
             continue
         if d and proposal is not None and proposal.probs is not None:
             out.draft_probs[b, : len(d)] = proposal.probs.to(device)
@@ -109,6 +117,10 @@ def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists:
     out.target_probs = compute_probs(target_logits, torch.tensor([p.temperature for p in params]),
                                      torch.tensor([p.top_k for p in params], dtype=torch.int64),
                                      torch.tensor([p.top_p for p in params], dtype=torch.float32))
+    for b, race in enumerate(races):
+        if race is not None:  # rows past the draft are padding, never read
+            n = len(draft_lists[b]) + 1
+            out.target_probs[b, :n] = race_scores(out.target_probs[b, :n], *race)
     return out
 
 

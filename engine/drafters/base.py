@@ -31,6 +31,11 @@ class DraftRequest(msgspec.Struct):
             ``features_start .. len(token_ids) - 2`` (every position the target has run a kept
             token through); None for other drafters.
         features_start: position of the first row of ``features``.
+        race_seed: a seeded sampling sequence's seed: each draft token is then the exponential
+            race of ``q`` with the target's noise for its position
+            (:func:`engine.sampling.race_noise`; position ``len(token_ids) + j`` for draft ``j``),
+            and no ``q`` is returned (the target verifies race rows by their own race). None:
+            greedy, or drawn from ``generator``.
     """
 
     seq_id: str
@@ -42,6 +47,7 @@ class DraftRequest(msgspec.Struct):
     generator: torch.Generator | None = None
     features: torch.Tensor | None = None
     features_start: int = 0
+    race_seed: int | None = None
 
 
 class DraftProposal(msgspec.Struct):

@@ -16,7 +16,7 @@ from engine.drafters.base import DraftProposal, DraftRequest
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel
 from engine.model import ForwardBatch
-from engine.sampling import compute_probs, draw_uniforms, greedy_argmax
+from engine.sampling import compute_probs, draw_uniforms, greedy_argmax, race_scores
 from kernels.rejection import inverse_cdf_sample
 
 
@@ -76,22 +76,30 @@ class CachedDrafter:
         recorded with its ``q`` (sampling only) and fed at the next draft step.
 
         Greedy rows: the argmax. Sampled rows: ``q`` from the same temperature/top-k/top-p rule the
-        target uses (one :func:`compute_probs` call for all of them: the rule is row-wise), each
-        drawn with one uniform from its own request's generator, as before, so a request's drafts
-        do not depend on its batch.
+        target uses (one :func:`compute_probs` call for all of them: the rule is row-wise); a race
+        row (``race_seed``) takes the race of ``q`` at its position, any other is drawn with one
+        uniform from its own request's generator and keeps ``q``. Either way a request's drafts do
+        not depend on its batch.
         """
         ids = greedy_argmax(logits).tolist()
         rows = [row for row, b in enumerate(active) if requests[b].temperature != 0
-                and requests[b].generator is not None]
+                and (requests[b].generator is not None or requests[b].race_seed is not None)]
         if rows:
             rs = [requests[active[row]] for row in rows]
             q = compute_probs(logits[rows], torch.tensor([r.temperature for r in rs]),
                               torch.tensor([r.top_k for r in rs]),
                               torch.tensor([r.top_p for r in rs], dtype=torch.float32))
-            uniforms = torch.cat([draw_uniforms(r.generator, 1) for r in rs]).to(q.device)
-            for i, (row, token) in enumerate(zip(rows, inverse_cdf_sample(q, uniforms).tolist())):
-                ids[row] = token
-                probs[active[row]].append(q[i])
+            drawn = [i for i, r in enumerate(rs) if r.race_seed is None]
+            if drawn:
+                uniforms = torch.cat([draw_uniforms(rs[i].generator, 1) for i in drawn]).to(q.device)
+                for i, token in zip(drawn, inverse_cdf_sample(q[drawn], uniforms).tolist()):
+                    ids[rows[i]] = token
+                    probs[active[rows[i]]].append(q[i])
+            for i, r in enumerate(rs):
+                if r.race_seed is not None:
+                    b = active[rows[i]]
+                    position = len(r.token_ids) + len(tokens[b])
+                    ids[rows[i]] = int(greedy_argmax(race_scores(q[i:i + 1], r.race_seed, position))[0])
         for row, b in enumerate(active):
             tokens[b].append(ids[row])
             starts[b] += len(feeds[b])

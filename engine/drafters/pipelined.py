@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def _is_greedy(r: DraftRequest) -> bool:
-    return r.temperature == 0 or r.generator is None
+    # A race row's generator stays with the engine (actors/draft_server.py), but it samples.
+    return r.temperature == 0 or (r.generator is None and r.race_seed is None)
 
 
 class PipelinedDrafter:

@@ -171,7 +171,8 @@ def test_remote_drafter_equals_in_process_and_survives_a_dead_actor(served, grap
     drafter = RemoteDrafter(spec, timeout_s=10.0, graph_config=ExpertPoolConfig(call_timeout_s=10.0) if graph else None)
     local = DraftModelDrafter(load_model(DRAFT, "float32", "cpu"), 4, None)
     reqs = lambda: [DraftRequest("a", list(range(5, 40)), 4), DraftRequest("b", list(range(50, 60)), 3),  # noqa: E731
-                    DraftRequest("c", [7, 8, 9], 2, temperature=0.9, generator=torch.Generator().manual_seed(5))]
+                    DraftRequest("c", [7, 8, 9], 2, temperature=0.9, generator=torch.Generator().manual_seed(5)),
+                    DraftRequest("d", list(range(70, 90)), 3, temperature=0.9, top_p=0.9, race_seed=8)]
     try:
         expected = local.propose(reqs())
         if graph:
@@ -180,8 +181,9 @@ def test_remote_drafter_equals_in_process_and_survives_a_dead_actor(served, grap
         for proposals in (drafter.propose(reqs()), drafter.propose(reqs())):
             assert [p.token_ids for p in proposals] == [p.token_ids for p in expected]
             torch.testing.assert_close(proposals[2].probs, expected[2].probs)
+            assert proposals[3].probs is None and len(proposals[3].token_ids) == 3  # a race row ships no q
         ray.kill(drafter.member.handle)
-        assert [p.token_ids for p in drafter.propose(reqs())] == [[], [], []]  # this step: no speculation
+        assert [p.token_ids for p in drafter.propose(reqs())] == [[], [], [], []]  # this step: no speculation
         assert drafter.num_failures == 1 and drafter.generation == 1
         assert [p.token_ids for p in drafter.propose(reqs())] == [p.token_ids for p in expected]
     finally:

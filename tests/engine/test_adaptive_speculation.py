@@ -19,7 +19,7 @@ class ScriptedController(SpeculationController):
         super().__init__(16, "adaptive")
         self.script, self.calls = script, 0
 
-    def plan(self, caps, num_base_tokens, num_prefills=0, fixed=None, catchup=None, remaining=None,
+    def plan(self, caps, num_base_tokens, num_prefills=0, catchup=None, remaining=None,
              tpot=None) -> Decision:
         k = self.script[self.calls % len(self.script)]
         self.calls += 1
@@ -100,3 +100,27 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch_with_the_controller_
     while engine.has_unfinished_requests():
         engine.step()
     assert [r.outputs[0].token_ids for r in reqs] == alone
+
+
+def test_seeded_sampling_is_the_same_with_any_draft_lengths_or_none(prompts):
+    """A seeded sampled sequence's tokens are exponential races of its seed and position, so its
+    output is the same with plain decoding, a fixed k, the adaptive controller and a scripted k
+    schedule with k = 0 phases, alone or in a batch, with the draft model or n-grams."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=MAX_TOKENS, seed=11)
+    plain = run_staggered(make_engine("none", 0, 8), prompts[:12], params)
+    scripted = make_engine("draft", 8, 8, policy="adaptive")
+    scripted.controller = ScriptedController([0, 3, 1, 6, 0, 2, 8, 5])
+    runs = {"fixed k=3": make_engine("draft", 3, 8), "adaptive": make_engine("draft", 6, 8, policy="adaptive"),
+            "scripted": scripted, "ngram k=4": make_engine("ngram", 4, 8), "alone, k=5": make_engine("draft", 5, 1)}
+    for name, engine in runs.items():
+        assert run_staggered(engine, prompts[:12], params) == plain, name
+        if name != "ngram k=4":
+            assert engine.get_metrics()["num_accepted_tokens"] > 0, name  # drafts were verified, and some held
+    assert len({tuple(t) for t in plain}) == 12  # the prompts differ, and so do their samples
+
+
+def test_a_different_seed_gives_a_different_sample(prompts):
+    out = {seed: run_staggered(make_engine("draft", 4, 4), prompts[:4],
+                               SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed))
+           for seed in (1, 2)}
+    assert out[1] != out[2]

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from engine.sampling import compute_probs, draw_uniforms, greedy_argmax, make_generator, top_logprobs
+from engine.sampling import (
+    compute_probs,
+    draw_uniforms,
+    greedy_argmax,
+    make_generator,
+    race_noise,
+    race_scores,
+    top_logprobs,
+)
 
 
 def probs_of(logits, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
@@ -127,3 +135,25 @@ def test_generators_are_per_request_and_reproducible():
     assert ((first >= 0) & (first < 1)).all()
     assert not torch.equal(draw_uniforms(a, 5), first)  # the stream advances
     assert not torch.equal(draw_uniforms(make_generator(None), 8), draw_uniforms(make_generator(None), 8))
+
+
+def test_race_noise_is_a_function_of_seed_and_position_only():
+    a = race_noise(5, 3, 64)
+    assert torch.equal(a, race_noise(5, 3, 64)) and bool((a > 0).all())
+    assert not torch.equal(a, race_noise(5, 4, 64)) and not torch.equal(a, race_noise(6, 3, 64))
+
+
+def test_the_race_samples_from_p_and_a_broken_race_is_rejected():
+    """argmax(p / Exp(1) noise) over 12,000 (seed, position) pairs follows p, a zero-probability
+    token never wins; the same test rejects argmax(p + noise) (a plausible wrong rule)."""
+    from tests.kernels.test_rejection_reference import chi2_statistic
+
+    p = torch.tensor([0.4, 0.25, 0.0, 0.2, 0.1, 0.05])
+    pairs = [(seed, pos) for seed in range(400) for pos in range(30)]
+    noise = torch.stack([race_noise(seed, pos, p.numel()) for seed, pos in pairs])
+    right = greedy_argmax(torch.stack([race_scores(p[None], seed, pos)[0] for seed, pos in pairs]))
+    stat, critical = chi2_statistic(right, p)
+    assert stat < critical
+    wrong = greedy_argmax(torch.where(p > 0, p + noise, 0.0))
+    stat, critical = chi2_statistic(wrong, p)
+    assert stat > critical

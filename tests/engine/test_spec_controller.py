@@ -102,12 +102,12 @@ def test_each_sequence_gets_the_k_its_own_acceptance_pays_for():
     assert decision.k["hard"] <= 1
 
 
-def test_caps_are_respected_and_fixed_sequences_keep_their_k():
+def test_caps_are_respected():
     sim = SyntheticStep(d_pass=0.0002, c0=0.01)
     ctl = controller()
     sim.run(ctl, {"a": 3, "b": 8}, {"a": 0.95, "b": 0.95}, np.random.default_rng(4), 40)
-    d = ctl.plan({"a": 3, "b": 8}, 3, fixed={"seeded": 5})
-    assert d.k["a"] <= 3 and d.k["seeded"] == 5
+    d = ctl.plan({"a": 3, "b": 8}, 2)
+    assert d.k["a"] <= 3 and d.k["b"] <= 8 and d.k["b"] > 3  # high acceptance, cheap drafts: past a's cap
 
 
 def test_warmup_then_periodic_probes_of_every_length_and_fixed_policy():

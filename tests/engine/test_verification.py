@@ -8,7 +8,7 @@ import engine.verification as verification
 from engine.drafters.base import DraftProposal
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.engine import LLMEngine
-from engine.sampling import compute_probs, draw_uniforms, make_generator
+from engine.sampling import compute_probs, draw_uniforms, greedy_argmax, make_generator, race_scores
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 from kernels.rejection import rejection_sample_reference
@@ -113,3 +113,24 @@ def test_logprobs_and_speculation_in_one_batch_with_other_requests():
         for a, b in zip(out.logprobs, alone[rid].logprobs):
             assert a.top.keys() == b.top.keys() and abs(a.logprob - b.logprob) < 1e-4
     assert together["greedy"].logprobs is None
+
+
+def test_a_race_row_accepts_the_drafts_its_race_picks_and_emits_the_race_at_the_first_miss():
+    """A seeded row (``races``) is verified on its race scores: drafts equal to the race's argmax
+    at their positions are accepted, the first other one is replaced by the race's token; an
+    unseeded sampled row beside it still draws its uniforms; its own generator is never read."""
+    torch.manual_seed(0)
+    vocab, seed, position = 37, 21, 9
+    logits = torch.randn(4 + 1, vocab)  # race row: 3 drafts + 1; plain sampled row: 1
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=seed), SamplingParams(temperature=1.0)]
+    p = compute_probs(logits[None, :4], torch.tensor([0.8]), torch.tensor([0]), torch.tensor([0.9]))[0]
+    race = [int(greedy_argmax(race_scores(p[j:j + 1], seed, position + j))[0]) for j in range(4)]
+    drafts = [race[0], race[1], (race[2] + 1) % vocab]
+    gen, race_gen = make_generator(3), make_generator(4)
+    state = race_gen.get_state()
+    batch = verification.build_verify_batch(logits, [4, 1], [drafts, []], [DraftProposal(drafts), None],
+                                            [race_gen, gen], params, [(seed, position), None])
+    out, accepted = verification.verify(batch)
+    assert accepted[0] == 2 and out[0] == [race[0], race[1], race[2]]
+    assert torch.equal(race_gen.get_state(), state)  # nothing drawn from the race row's generator
+    assert not torch.equal(gen.get_state(), make_generator(3).get_state())  # the other row drew its uniform
