@@ -9,7 +9,6 @@ import torch
 from engine.outputs import SpecDecodeStats, TokenLogprob
 from engine.sampling import top_logprobs
 from engine.sequence import Sequence
-from kernels.rejection import PLACEHOLDER_TOKEN_ID
 
 
 def emit_tokens(seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None, num_drafted: int,
@@ -17,7 +16,8 @@ def emit_tokens(seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | Non
     """Append one step's tokens to ``seq``'s output; the tokens past a stop are dropped.
 
     Args:
-        tokens: the step's accepted draft tokens and its recovered or bonus token.
+        tokens: the step's accepted draft tokens and its recovered or bonus token (never
+            :data:`kernels.rejection.PLACEHOLDER_TOKEN_ID`: the engine fails such a sequence).
         logit_rows: ``(len(tokens), vocab)`` float32 target logits of those tokens, only when the
             request asked for logprobs (else None).
         num_drafted, num_accepted: the step's draft tokens and how many the target accepted.
@@ -26,7 +26,6 @@ def emit_tokens(seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | Non
     Returns:
         The finish reason ("stop", "length") when the sequence finished in this run, else None.
     """
-    assert PLACEHOLDER_TOKEN_ID not in tokens
     result = seq.state.append(tokens)
     kept = result.num_kept
     comp = seq.completion

@@ -33,6 +33,7 @@ from engine.slo import SLOPolicy
 from engine.spec_controller import Decision, SpeculationController, SpeculativePolicy
 from engine.spec_cost import ActivationMeter, ExpertActivation
 from engine.verification import build_verify_batch, verify
+from kernels.rejection import PLACEHOLDER_TOKEN_ID
 
 log = logging.getLogger(__name__)
 
@@ -364,6 +365,10 @@ class LLMEngine:
             self.controller.observe_acceptance(seq.seq_id, len(draft_lists[b]), num_acc[b])
             if seq.seq_id in self._drafting_ahead and num_acc[b] == len(draft_lists[b]):
                 self.controller.note_drafted_ahead(seq.seq_id, num_acc[b])  # its next window may be ready
+            if PLACEHOLDER_TOKEN_ID in emitted:  # no token to sample (e.g. NaN logits): this sequence fails alone
+                log.error("sequence %s sampled no token (step output %s); failing it", seq.seq_id, emitted)
+                self._finish(seq, "error")
+                continue
             own = logits[ends[b] - num_logits[b]: ends[b]] if seq.completion.logprobs is not None else None
             reason = emit_tokens(seq, emitted, own, len(draft_lists[b]), num_acc[b], self.stats)
             if reason is not None:

@@ -82,11 +82,11 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     drop = use_k[:, None] & (rank >= top_k[:, None])
     sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     # Top-p on the top-k survivors' renormalised distribution. A token is kept iff the mass
-    # strictly before it is < top_p: that is the smallest prefix reaching top_p, and rank 0
-    # (mass before = 0 < top_p) always survives.
+    # strictly before it is < top_p: that is the smallest prefix reaching top_p. Rank 0 always
+    # survives, also when top_p underflows float32 to 0 (a request's 1e-46 is > 0 as a double).
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    drop = use_p[:, None] & (mass_before >= top_p[:, None])
+    drop = use_p[:, None] & (mass_before >= top_p[:, None]) & (rank > 0)
     sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 

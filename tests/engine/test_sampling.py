@@ -157,3 +157,9 @@ def test_the_race_samples_from_p_and_a_broken_race_is_rejected():
     wrong = greedy_argmax(torch.where(p > 0, p + noise, 0.0))
     stat, critical = chi2_statistic(wrong, p)
     assert stat > critical
+
+
+def test_a_top_p_that_underflows_float32_still_keeps_the_top_token():
+    """top_p = 1e-46 is > 0 (a valid request) but 0 in float32: rank 0 must survive anyway."""
+    probs = probs_of(LOG_P, top_p=1e-46)
+    assert probs.tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -122,6 +122,32 @@ def test_kv_slots_return_to_zero_after_finish_cancel_and_error(prompts):
     assert engine.kv.num_used == 0
 
 
+def test_a_sequence_that_samples_no_token_fails_alone(prompts, monkeypatch):
+    """A row with no token to emit (the sampler's placeholder, e.g. from NaN logits) fails its own
+    sequence; the others in the step carry on and finish with the output they would have had."""
+    import engine.engine as engine_module
+    from kernels.rejection import PLACEHOLDER_TOKEN_ID
+
+    expected = run_staggered(make_engine("draft", 4, 4), prompts[:3], per_step=3)
+    engine = make_engine("draft", 4, 4)
+    real_verify, calls = engine_module.verify, {"n": 0}
+
+    def one_bad_row(batch):
+        out_ids, num_acc = real_verify(batch)
+        calls["n"] += 1
+        if calls["n"] == 3:  # a decode step: the second sequence's run becomes the placeholder
+            out_ids[1], num_acc[1] = [PLACEHOLDER_TOKEN_ID], 0
+        return out_ids, num_acc
+
+    monkeypatch.setattr(engine_module, "verify", one_bad_row)
+    reqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[:3])]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r.outputs[0].finish_reason for r in reqs] == ["length", "error", "length"]
+    assert [reqs[0].outputs[0].token_ids, reqs[2].outputs[0].token_ids] == [expected[0], expected[2]]
+    assert engine.kv.num_used == 0 and engine.drafter.kv.num_used == 0
+
+
 def test_speculation_turns_off_at_the_configured_batch_size(prompts):
     engine = make_engine("draft", 4, 16)
     engine.scheduler.config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=8192, max_waiting=100,
