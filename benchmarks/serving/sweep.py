@@ -157,7 +157,12 @@ async def serving(config: ServerConfig, log_dir: Path) -> AsyncIterator[str]:
             env={**os.environ, **config.env},
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group, led by the shell: the server's signals reach it
+            # Its own process group, led by the shell (the server's signals reach it), in this
+            # session: a new session is a new scheduling autogroup on Linux, and against the load
+            # generator's the server's (whose graph readers spin) lost 5-15 % of its tokens at
+            # concurrency 8 and 3-7x on ITL p99 (docs/TRANSPORT.md, "Draft transport"); a deployed
+            # server has its machine to itself.
+            process_group=0,
         )
     try:
         try:
