@@ -49,6 +49,12 @@ class DraftRequest(msgspec.Struct):
     features_start: int = 0
     race_seed: int | None = None
 
+    @property
+    def samples(self) -> bool:
+        """Whether the draft is sampled (a generator's draw or a race), not the argmax. A remote
+        drafter's race row has no generator (it stays with the engine) but still samples."""
+        return self.temperature != 0 and (self.generator is not None or self.race_seed is not None)
+
 
 class DraftProposal(msgspec.Struct):
     """Draft tokens for one :class:`DraftRequest`.

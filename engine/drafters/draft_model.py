@@ -82,8 +82,7 @@ class CachedDrafter:
         not depend on its batch.
         """
         ids = greedy_argmax(logits).tolist()
-        rows = [row for row, b in enumerate(active) if requests[b].temperature != 0
-                and (requests[b].generator is not None or requests[b].race_seed is not None)]
+        rows = [row for row, b in enumerate(active) if requests[b].samples]
         if rows:
             rs = [requests[active[row]] for row in rows]
             q = compute_probs(logits[rows], torch.tensor([r.temperature for r in rs]),

@@ -25,11 +25,6 @@ from engine.drafters.base import Drafter, DraftProposal, DraftRequest
 log = logging.getLogger(__name__)
 
 
-def _is_greedy(r: DraftRequest) -> bool:
-    # A race row's generator stays with the engine (actors/draft_server.py), but it samples.
-    return r.temperature == 0 or (r.generator is None and r.race_seed is None)
-
-
 class PipelinedDrafter:
     """Wraps a drafter whose greedy proposals depend only on the tokens (a draft model) and drafts
     each greedy sequence's next window ahead, on one background thread.
@@ -65,7 +60,7 @@ class PipelinedDrafter:
         misses = []
         for i, r in enumerate(requests):
             hit = ahead.get(r.seq_id)
-            if hit is not None and _is_greedy(r) and r.k <= len(hit[1]) and hit[0] == r.token_ids:
+            if hit is not None and not r.samples and r.k <= len(hit[1]) and hit[0] == r.token_ids:
                 out[i] = DraftProposal(hit[1][:r.k], None, pipelined=True)
                 self.num_windows_used += 1
             else:
@@ -80,7 +75,7 @@ class PipelinedDrafter:
         # Copies: the request's tokens may be the engine's live list, which grows meanwhile.
         nxt = []
         for r, p in zip(requests, proposals):
-            if _is_greedy(r) and p.token_ids:
+            if not r.samples and p.token_ids:
                 nxt.append(DraftRequest(r.seq_id, list(r.token_ids) + p.token_ids, len(p.token_ids) + 1))
                 p.drafting_ahead = True
         if not nxt:
