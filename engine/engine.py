@@ -354,6 +354,7 @@ class LLMEngine:
         ``logits``: the ``(sum(num_logits), V)`` logit rows, each sequence's ``num_logits`` rows in
         order; a sequence's rows are sliced only when it asked for logprobs."""
         ends = list(itertools.accumulate(num_logits))
+        self.controller.observe_acceptances([(s.seq_id, len(d), a) for s, d, a in zip(seqs, draft_lists, num_acc)])
         for b, seq in enumerate(seqs):
             emitted = out_ids[b]
             kept_new = len(new_tokens[b]) - len(draft_lists[b]) + num_acc[b]
@@ -362,7 +363,6 @@ class LLMEngine:
             seq.num_cached = kept_cache
             if feats is not None:
                 self.features.append(seq.seq_id, feats[b][:kept_new])
-            self.controller.observe_acceptance(seq.seq_id, len(draft_lists[b]), num_acc[b])
             if seq.seq_id in self._drafting_ahead and num_acc[b] == len(draft_lists[b]):
                 self.controller.note_drafted_ahead(seq.seq_id, num_acc[b])  # its next window may be ready
             if PLACEHOLDER_TOKEN_ID in emitted:  # no token to sample (e.g. NaN logits): this sequence fails alone

@@ -10,10 +10,11 @@ eq. 1 generalised to per-position acceptance ``a_{s,j}``), and the step time is
 with both parts learned online from measured steps (:mod:`engine.spec_cost`). The controller
 maximises ``sum E_s / (T - T_chunk)``: a prefill chunk in the step costs ``T_chunk`` whatever is
 drafted, so the decodes' drafting must pay for itself (judged over the whole step, the chunk's
-time diluted the drafts' cost and drafting won steps where plain decoding is faster). Gains
-``prod_{j<=i} a_{s,j}`` fall with ``i``, so the best allocation for any total ``n`` of draft
-tokens takes the ``n`` largest gains; every ``n`` is scored at once (vectorised) and the best
-wins, ``n = 0`` included: then nothing is drafted at all.
+time diluted the drafts' cost and drafting won steps where plain decoding is faster). The
+allocations scored are one draft length ``k`` for the batch, drafted by the ``m`` sequences it
+pays most for (:mod:`engine.spec_candidates`: ragged lengths ran slower than their features
+predicted); every ``(k, m)`` is scored at once (vectorised) and the best wins, drafting nothing
+included: then nothing is drafted at all.
 
 Acceptance: per sequence and position, decayed counts shrunk toward a server-wide estimate
 (:mod:`engine.spec_acceptance`). Hysteresis keeps speculation on or off unless the other choice is
@@ -53,6 +54,7 @@ from typing import Literal
 import numpy as np
 
 from engine.spec_acceptance import AcceptanceEstimates, expected_tokens
+from engine.spec_candidates import draft_candidates
 from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedCheck
 from engine.spec_settings import ControllerSettings
 
@@ -98,6 +100,7 @@ class SpeculationController:
         s = self.settings
         self.estimates = AcceptanceEstimates(max_k, s.acceptance_prior, s.prior_weight, s.global_decay,
                                              s.sequence_decay)
+        self._positions = np.arange(max_k)  # draft positions 0..max_k - 1, for masks
         self._decode_steps = 0
         self._num_probes = 0
         self._on = True
@@ -168,9 +171,7 @@ class SpeculationController:
                     self._settled_steps += 1
                     self.fits_last_step = self._settled_steps % s.settled_fit_interval_steps == 0
             else:
-                glob = self.estimates.server_wide()  # once per step: every sequence's estimate shrinks toward it
-                decision = self._optimise(caps, num_base_tokens, num_prefills,
-                                          self._amortised(caps, catchup or {}, remaining or {}, glob), glob,
+                decision = self._optimise(caps, num_base_tokens, num_prefills, catchup or {}, remaining or {},
                                           tpot or {}, verdict)
             if decision.reason == "adaptive":
                 self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
@@ -202,47 +203,39 @@ class SpeculationController:
         stagger = t % 2
         return {sid: min(c, cycle[(t // 2 + stagger * i) % len(cycle)]) for i, (sid, c) in enumerate(caps.items())}
 
-    def _amortised(self, caps: dict[str, int], catchup: dict[str, int], remaining: dict[str, int],
-                   glob: np.ndarray) -> dict[str, float]:
-        """Catch-up tokens charged to this step: one step's worth in full, the backlog spread
-        over the steps it will pay off in."""
-        out = {}
-        for sid in caps:
-            c = catchup.get(sid, 0)
-            if not c:
-                continue
-            per_step = expected_tokens(self.estimates.of_sequence(sid, glob), max(caps[sid], 1))
-            backlog = max(0.0, c - per_step)
-            left = remaining.get(sid)
-            share = 1.0 if left is None else min(1.0, per_step / max(left, 1))
-            out[sid] = min(c, per_step) + backlog * share
-        return out
+    def _amortised(self, cum: np.ndarray, caps: np.ndarray, ids: list[str], catchup: dict[str, int],
+                   remaining: dict[str, int]) -> np.ndarray:
+        """``(B,)`` catch-up tokens charged to this step: one step's worth in full, the backlog
+        spread over the steps it will pay off in. ``cum``: ``(B, max_k)`` cumulative acceptance
+        products; ``caps``: ``(B,)`` draft caps."""
+        c = np.array([catchup.get(sid, 0) for sid in ids], dtype=np.float64)
+        if not c.any():
+            return c
+        per_step = 1.0 + (cum * (self._positions < np.maximum(caps, 1)[:, None])).sum(1)
+        left = np.array([remaining.get(sid, -1) for sid in ids], dtype=np.float64)
+        share = np.where(left < 0, 1.0, np.minimum(1.0, per_step / np.maximum(left, 1)))
+        return np.minimum(c, per_step) + np.maximum(0.0, c - per_step) * share
 
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
-                  catchup: dict[str, float], glob: np.ndarray,
+                  catchup: dict[str, int], remaining: dict[str, int],
                   tpot: dict[str, tuple[float, float]], verdict: tuple[bool | None, bool] | None) -> Decision:
         """The model's best draft lengths, overruled on or off by ``verdict``
         (:meth:`RealisedCheck.verdict`; None: not a pure-decode step, the model decides)."""
         ids = list(caps)
-        gains = self._gains(ids, caps, glob)  # (B, max_k), zero beyond each cap
-        ready = self._ready_probability(ids, glob)
-        # Drafting past a ready window would redraft it all: a likely-ready one caps the sequence.
-        gains[(ready[:, :1] >= 0.5) & (ready == 0)] = 0.0
-        flat = gains.ravel()
-        # Likely-ready positions first (they cost little drafting), then by gain, then position.
-        order = np.lexsort((np.tile(np.arange(self.max_k), len(ids)), -flat, (ready.ravel() < 0.5)))
-        order = order[flat[order] > 0]
-        n = np.arange(len(order) + 1)  # n = draft tokens in total, 0..all
-        expected = len(ids) + num_prefills + np.concatenate(([0.0], np.cumsum(flat[order])))
-        positions = order % self.max_k + 1
-        # Draft work each entry costs: a window drafted ahead (pipelined) is free if it is ready.
-        work = 1.0 - ready.ravel()[order]
-        passes = np.concatenate(([0], np.maximum.accumulate(positions * work))) if len(order) else np.zeros(1)
-        drafted = np.concatenate(([0.0], np.cumsum(work)))
-        tokens = num_base_tokens + n
-        # A sequence's catch-up is paid once its first position is in: at the entry of position 1.
-        first = np.where(positions == 1, [catchup.get(ids[r], 0) for r in order // self.max_k], 0)
-        caught = np.concatenate(([0], np.cumsum(first)))
+        acceptance = self.estimates.of_sequences(ids, self.estimates.server_wide())  # (B, max_k)
+        cum = np.cumprod(acceptance, axis=1)
+        cap = np.array([caps[sid] for sid in ids])
+        charged = self._amortised(cum, cap, ids, catchup, remaining)  # (B,) catch-up tokens
+        gains = np.where(self._positions < cap[:, None], cum, 0.0)  # (B, max_k), zero beyond each cap
+        ready = None
+        if self._ready:  # windows drafted ahead (pipelined): drafting them costs little
+            ready = self._ready_probability(ids, acceptance)
+            # Drafting past a ready window would redraft it all: a likely-ready one caps the sequence.
+            gains[(ready[:, :1] >= 0.5) & (ready == 0)] = 0.0
+        cand = draft_candidates(gains, ready, charged)
+        expected = len(ids) + num_prefills + cand.gain
+        drafted, passes, caught = cand.drafted, cand.passes, cand.caught
+        tokens = num_base_tokens + cand.tokens
         draft_s = np.where(drafted > 0, self.draft_cost.predict(1.0, passes, drafted, caught), 0.0)
         target_s = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
         calibration = np.where(drafted > 0, self.calibration[True], self.calibration[False])
@@ -253,9 +246,9 @@ class SpeculationController:
         chunk_s = self._chunk_s(num_base_tokens, len(ids)) * calibration
         rate = (expected - num_prefills) / np.maximum(step_s - chunk_s, 1e-6)
         if tpot:
-            rate = np.where(self._within_tpot(ids, gains, order, step_s, tpot), rate, -np.inf)
+            rate = np.where(self._within_tpot(ids, gains, cand.lengths, step_s, tpot), rate, -np.inf)
         best = int(np.argmax(rate))
-        best_on = int(np.argmax(rate[1:])) + 1 if len(n) > 1 else 0
+        best_on = int(np.argmax(rate[1:])) + 1 if cand.gain[1:].any() else 0
         h = self.settings.hysteresis
         if best == 0 and self._on and best_on and rate[best_on] * (1 + h) >= rate[0]:
             best = best_on  # stay on unless off is clearly better
@@ -271,11 +264,7 @@ class SpeculationController:
             other = 0 if best else best_on
             if explore and np.isfinite(rate[other]):  # the other mode, to keep its rate fresh,
                 best, reason = other, "explore"  # unless it would break a TPOT budget
-        rows = order[:best] // self.max_k
-        k = dict.fromkeys(ids, 0)
-        for row in rows:
-            k[ids[row]] += 1
-        return Decision(k, reason, float(expected[best]), float(step_s[best]))
+        return Decision(dict(zip(ids, cand.lengths[best].tolist())), reason, float(expected[best]), float(step_s[best]))
 
     def _chunk_s(self, num_base_tokens: int, num_decodes: int) -> float:
         """Predicted target seconds of a step's prefill chunk: the step's base tokens less its
@@ -286,17 +275,16 @@ class SpeculationController:
         both = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
         return max(0.0, float(both[0] - both[1]))
 
-    def _within_tpot(self, ids: list[str], gains: np.ndarray, order: np.ndarray, step_s: np.ndarray,
+    def _within_tpot(self, ids: list[str], gains: np.ndarray, lengths: np.ndarray, step_s: np.ndarray,
                      tpot: dict[str, tuple[float, float]]) -> np.ndarray:
-        """Which draft totals n (0..len(order)) keep the budgeted sequences within their TPOT
-        budgets, or, when none does, miss them least: bool ``(len(order) + 1,)``."""
+        """Which candidates (``lengths``: ``(C, B)`` draft lengths) keep the budgeted sequences
+        within their TPOT budgets, or, when none does, miss them least: bool ``(C,)``."""
         rows = [i for i, sid in enumerate(ids) if sid in tpot]
         if not rows:
             return np.ones(len(step_s), dtype=bool)
         budget_s, slack_s = (np.array([tpot[ids[i]][j] for i in rows]) for j in (0, 1))
-        taken = np.zeros((len(order), len(ids)))  # gain each added draft position brings its sequence
-        taken[np.arange(len(order)), order // self.max_k] = gains.ravel()[order]
-        tokens = 1.0 + np.vstack([np.zeros(len(ids)), np.cumsum(taken, 0)])[:, rows]  # E[emitted] per n
+        cum = np.concatenate((np.zeros((len(rows), 1)), np.cumsum(gains[rows], axis=1)), axis=1)  # (R, max_k + 1)
+        tokens = 1.0 + np.take_along_axis(cum.T, lengths[:, rows], axis=0)  # (C, R) E[emitted] per candidate
         miss_s = (step_s[:, None] - budget_s * tokens - slack_s).max(1)
         return miss_s <= max(0.0, float(miss_s.min()))
 
@@ -322,16 +310,16 @@ class SpeculationController:
         glob = self.estimates.server_wide()
         return glob if seq_id is None else self.estimates.of_sequence(seq_id, glob)
 
-    def _ready_probability(self, ids: list[str], glob: np.ndarray) -> np.ndarray:
+    def _ready_probability(self, ids: list[str], acceptance: np.ndarray) -> np.ndarray:
         """``(B, max_k)``: the chance that a sequence's draft position is already drafted ahead
         (pipelined drafting): its first ``L`` positions if it accepted all ``L`` tokens of its last
         window, with the probability that the drafter's bonus guess matched (its acceptance at
-        position ``L + 1``)."""
+        position ``L + 1``; ``acceptance``: ``(B, max_k)``)."""
         ready = np.zeros((len(ids), self.max_k))
         for row, sid in enumerate(ids):
             length = self._ready.get(sid, 0)
             if length:
-                ready[row, :length] = self.estimates.of_sequence(sid, glob)[min(length, self.max_k - 1)]
+                ready[row, :length] = acceptance[row, min(length, self.max_k - 1)]
         return ready
 
     def note_drafted_ahead(self, seq_id: str, length: int) -> None:
@@ -340,21 +328,19 @@ class SpeculationController:
         if self.max_k and self.policy == "adaptive" and length > 0:
             self._ready[seq_id] = min(length, self.max_k)
 
-    def _gains(self, ids: list[str], caps: dict[str, int], glob: np.ndarray) -> np.ndarray:
-        rows = []
-        for sid in ids:
-            row = np.cumprod(self.estimates.of_sequence(sid, glob))
-            row[min(caps[sid], self.max_k):] = 0.0
-            rows.append(row)
-        return np.stack(rows)
-
     # ------------------------------------------------------------------ feedback
     def observe_acceptance(self, seq_id: str, num_drafted: int, num_accepted: int) -> None:
         """One verification of ``num_drafted`` tokens, the first ``num_accepted`` accepted."""
-        if num_drafted <= 0 or self.max_k == 0:
+        self.observe_acceptances([(seq_id, num_drafted, num_accepted)])
+
+    def observe_acceptances(self, verified: list[tuple[str, int, int]]) -> None:
+        """One step's verifications ``(seq_id, num_drafted, num_accepted)``, one per sequence;
+        those that drafted nothing are ignored."""
+        if self.max_k == 0:
             return
-        num_drafted = min(num_drafted, self.max_k)
-        self.estimates.observe(seq_id, num_drafted, min(num_accepted, num_drafted))
+        seen = [(sid, min(d, self.max_k), min(a, d, self.max_k)) for sid, d, a in verified if d > 0]
+        if seen:
+            self.estimates.observe_many(*zip(*seen))
 
     def observe_step(self, draft_s: float, passes: int, num_drafted: int, target_s: float,
                      num_target_tokens: int, distinct_experts: int | None, num_catchup: int = 0) -> None:
