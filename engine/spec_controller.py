@@ -102,6 +102,8 @@ class SpeculationController:
                                              s.sequence_decay)
         self._positions = np.arange(max_k)  # draft positions 0..max_k - 1, for masks
         self._decode_steps = 0
+        self._planned: Decision | None = None  # the last optimised decision (:meth:`_reuse`)
+        self._plan_age = 0  # steps it was reused
         self._num_probes = 0
         self._on = True
         # Measured / predicted step time, per mode (drafting or not): the regression fits the
@@ -170,14 +172,40 @@ class SpeculationController:
                 if not explore_off and self.realised.settled_off(len(caps), self._on):
                     self._settled_steps += 1
                     self.fits_last_step = self._settled_steps % s.settled_fit_interval_steps == 0
-            else:
+            elif (decision := self._reuse(caps, num_base_tokens, num_prefills, tpot or {}, verdict)) is None:
                 decision = self._optimise(caps, num_base_tokens, num_prefills, catchup or {}, remaining or {},
                                           tpot or {}, verdict)
+                # A plan around windows drafted ahead is good for this step only.
+                self._planned, self._plan_age = (None if self._ready else decision), 0
             if decision.reason == "adaptive":
                 self._on = sum(decision.k.values()) > 0  # the state hysteresis keeps (not probes)
         self._ready.clear()  # a window drafted ahead is good for the next step only
         self.last = decision
         return decision
+
+    def _reuse(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
+               tpot: dict[str, tuple[float, float]], verdict: tuple[bool | None, bool] | None) -> Decision | None:
+        """The last optimised draft lengths again (each within its sequence's cap), or None: replan.
+
+        Optimising costs ~0.1-0.3 ms a step in place (the estimates, every (k, m) candidate, two
+        cost-model solves), 2-7 % of a step of the bundled pair, and its inputs move slowly (the
+        acceptance estimates remember ~10 verifications, the cost fits ~30 steps). So the same
+        decoding sequences in a pure-decode step reuse it for up to ``replan_interval_steps`` steps
+        while the realised check agrees on drafting, nothing is drafted ahead, no step explores,
+        and no sequence with a TPOT budget is behind it."""
+        planned = self._planned
+        if planned is None or planned.reason != "adaptive" or self._plan_age + 1 >= self.settings.replan_interval_steps:
+            return None
+        if num_prefills or num_base_tokens != len(caps) or self._ready or caps.keys() != planned.k.keys():
+            return None
+        drafting = any(planned.k.values())
+        if verdict is not None and (verdict[1] or verdict[0] is not None and verdict[0] != drafting):
+            return None
+        if any(slack_s < 0 for _, slack_s in tpot.values()):
+            return None
+        self._plan_age += 1
+        return Decision({sid: min(k, caps[sid]) for sid, k in planned.k.items()}, "adaptive",
+                        planned.expected_tokens, planned.predicted_step_s)
 
     def _verdict(self, num_decodes: int, num_base_tokens: int, num_prefills: int) -> tuple[bool | None, bool] | None:
         """The realised check's say in this step (:meth:`RealisedCheck.verdict`); None: the model

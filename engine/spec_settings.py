@@ -37,6 +37,9 @@ class ControllerSettings:
             only one plain-decoding step in this many is metered and fed to the cost model (its
             fit matters then only at explore steps and for latency budgets; metering and fitting
             cost ~2 % of a batch-1 step of the bundled pair).
+        replan_interval_steps: a pure-decode step of the same sequences reuses the last optimised
+            draft lengths for up to this many steps in all (1: optimise every step); see
+            :meth:`SpeculationController._reuse` for when it replans anyway.
         thin_margin: a realised ratio (drafting / off) within this (relative) of the switching
             point (``1 + required_gain``) counts as a thin margin.
         goodput_decay: per-step decay of the realised goodput sums (0.99: ~100 steps' memory).
@@ -56,6 +59,7 @@ class ControllerSettings:
     explore_backoff_doublings: int = 2
     explore_run_steps: int = 3
     settled_fit_interval_steps: int = 8
+    replan_interval_steps: int = 4
     thin_margin: float = 0.2
     goodput_decay: float = 0.99
     goodput_min_steps: float = 2.0

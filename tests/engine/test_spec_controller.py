@@ -406,7 +406,9 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     on = drive(64, 0.012)
     ctl._optimise = real_optimise
     assert any(d.reason == "explore" and not sum(d.k.values()) for d in on)
-    assert len(optimised) == sum(d.reason == "adaptive" for d in on) > 0
+    # Each optimised plan serves at most 4 steps (the first up to 3 may reuse the plan before).
+    adaptive, interval = sum(d.reason == "adaptive" for d in on), ctl.settings.replan_interval_steps
+    assert (adaptive - (interval - 1)) / interval <= len(optimised) < adaptive
     assert sum(ctl.plan(caps, len(caps) + 300, num_prefills=1).k.values()) > 0  # on: the model decides
 
 
@@ -423,3 +425,30 @@ def test_a_prefill_chunk_does_not_make_drafting_look_cheap():
     mixed = ctl.plan(caps, len(caps) + 500, num_prefills=1)
     assert mixed.reason == "adaptive" and sum(mixed.k.values()) == 0
     assert mixed.predicted_step_s == pytest.approx(0.005 + 0.0002 * 504, rel=0.1)  # the whole step's time
+
+
+def test_an_optimised_plan_is_reused_for_the_same_batch_until_something_changes():
+    """Optimising costs ~0.1-0.3 ms a step: the same sequences in pure-decode steps reuse the
+    last plan for up to ``replan_interval_steps`` steps; a new sequence, a prefill chunk or a
+    sequence behind its TPOT budget replans at once."""
+    sim = SyntheticStep(d_pass=0.0002, c0=0.01)
+    caps = {f"s{i}": 8 for i in range(4)}
+    ctl = controller(probe_interval_steps=1000)
+    sim.run(ctl, caps, dict.fromkeys(caps, 0.9), np.random.default_rng(9), 40)
+    calls = []
+    real_optimise = ctl._optimise
+    ctl._optimise = lambda *a: calls.append(1) or real_optimise(*a)
+
+    def replans(*args, **kw) -> bool:
+        before = len(calls)
+        ctl.plan(*args, **kw)
+        return len(calls) > before
+
+    assert [replans(caps, 4) for _ in range(9)] == [True, False, False, False] * 2 + [True]
+    first = ctl.plan(caps, 4)
+    assert ctl.plan({**caps, "s1": 2}, 4).k["s1"] == min(2, first.k["s1"])  # a lower cap still holds
+    assert replans({**caps, "new": 8}, 5)  # another batch
+    assert replans(caps, 4) and replans(caps, 304, num_prefills=1)  # a prefill chunk rides along
+    ctl.plan(caps, 4)
+    assert not replans(caps, 4, tpot={"s0": (0.02, 0.001)})
+    assert replans(caps, 4, tpot={"s0": (0.02, -0.001)})  # s0 fell behind its budget
