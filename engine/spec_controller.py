@@ -21,8 +21,10 @@ Acceptance: per sequence and position, decayed counts shrunk toward a server-wid
 ``hysteresis`` better; a warm-up cycles k to make the cost model identifiable, and every
 ``probe_interval_steps`` one probe step drafts another length (2, max, 0, max / 2 in turn), so the
 estimates cover the whole range and never go stale (speculation off included), except while the
-realised check below has settled on off (a probe drafting every sequence then costs what drafting
-costs, for estimates nothing uses; at batch 16 probes were 6 % of the steps and 13 % of the time).
+realised check below says off (a probe drafting every sequence then pays the drafter's catch-up on
+the whole off stretch, for estimates its explore steps refresh anyway; at batch 16 with sampling
+probes were 5 % of the steps and 9-13 % of the time). Explore steps are bounded the same way: at
+most ``explore_time_share`` of the recent pure-decode time.
 
 Whether to draft at all is then checked against what happened (an explore/exploit check on
 realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size bucket (decoding
@@ -112,7 +114,7 @@ class SpeculationController:
         self._ready: dict[str, int] = {}  # windows probably drafted ahead, for the next plan only
         self.realised = RealisedCheck(s.hysteresis, s.explore_interval_steps, s.thin_margin, s.goodput_decay,
                                       s.goodput_min_steps, s.required_gain, s.explore_backoff_doublings,
-                                      s.explore_run_steps)
+                                      s.explore_run_steps, s.explore_time_share)
         self.last = Decision()
         # Whether the last planned step should be metered and fed to the cost model
         # (:meth:`observe_step`): all but one in ``settled_fit_interval_steps`` of the plain steps
@@ -154,7 +156,7 @@ class SpeculationController:
         if self._decode_steps <= s.warmup_steps:
             decision = Decision(self._warmup_k(caps), "warmup")
         elif (self._decode_steps - s.warmup_steps) % s.probe_interval_steps == 0 \
-                and not self.realised.settled_off(len(caps), self._on):
+                and self.realised.standing(len(caps), self._on) is not False:
             probe_ks = (2, self.max_k, 0, max(1, self.max_k // 2))
             k = probe_ks[self._num_probes % len(probe_ks)]
             self._num_probes += 1
@@ -405,7 +407,10 @@ class SpeculationController:
         size grows with the off stretch."""
         drafting = any(self.last.k.values())
         switching, self._drafted_last = drafting and not self._drafted_last, drafting
-        if self.policy != "adaptive" or self.last.reason not in ("adaptive", "explore") or step_s <= 0 or switching:
+        if self.policy != "adaptive" or self.last.reason not in ("adaptive", "explore") or step_s <= 0:
+            return
+        self.realised.note_time(step_s, self.last.reason == "explore")  # the switch step's cost too
+        if switching:
             return
         self.realised.observe(len(self.last.k), drafting, num_emitted, step_s)
 

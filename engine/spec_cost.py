@@ -232,6 +232,11 @@ class RealisedCheck:
         decay, min_steps: of each bucket's :class:`RealisedGoodput`.
         required_gain: relative gain over plain decoding drafting must realise to stay on.
         explore_backoff_doublings: see ``explore_interval_steps`` (0: no backoff).
+        explore_time_share: an explore step (or run) starts only while explore steps took at most
+            this share of the recent pure-decode time (:meth:`note_time`, decayed like the rates).
+            An explore of drafting after a stretch off pays the drafter's catch-up on every
+            sequence: at batch 16 with sampling its steps took ~2.2x an off step, and at the
+            thin-margin cadence explores were ~25 % of the time for a mode that did not pay.
         explore_run_steps: an explore of drafting (while off) lasts this many pure-decode steps in
             a row: its first step pays the drafter's catch-up on everything it missed while off, a
             cost of switching that the controller leaves out of the drafting figure
@@ -241,10 +246,11 @@ class RealisedCheck:
 
     def __init__(self, hysteresis: float, explore_interval_steps: int, thin_margin: float, decay: float,
                  min_steps: float, required_gain: float, explore_backoff_doublings: int = 0,
-                 explore_run_steps: int = 1) -> None:
+                 explore_run_steps: int = 1, explore_time_share: float = 1.0) -> None:
         self.hysteresis, self.explore_interval_steps, self.thin_margin = hysteresis, explore_interval_steps, thin_margin
         self.required_gain, self.explore_backoff_doublings = required_gain, explore_backoff_doublings
-        self.explore_run_steps = explore_run_steps
+        self.explore_run_steps, self.explore_time_share = explore_run_steps, explore_time_share
+        self._seconds = [0.0, 0.0]  # decayed pure-decode seconds: (explore steps, all)
         self._run_left = 0  # further steps of the explore run under way
         self.decay, self.min_steps = decay, min_steps
         self._buckets: dict[int, RealisedGoodput] = {}
@@ -288,7 +294,7 @@ class RealisedCheck:
             self._wide_explores, interval = 0, self.explore_interval_steps
         else:
             interval = self.explore_interval_steps * 4 << min(self._wide_explores, self.explore_backoff_doublings)
-        explore = self._since_explore >= interval
+        explore = self._since_explore >= interval and self._seconds[0] <= self.explore_time_share * self._seconds[1]
         if explore:
             self._since_explore = 0
             self._wide_explores += not thin
@@ -319,6 +325,12 @@ class RealisedCheck:
     def observe(self, num_decodes: int, drafting: bool, num_emitted: int, step_s: float) -> None:
         """A pure-decode step of ``num_decodes`` sequences, drafting or not."""
         self.bucket(num_decodes).observe(drafting, num_emitted, step_s)
+
+    def note_time(self, step_s: float, explore: bool) -> None:
+        """Every pure-decode step the check governs (also those its rates leave out): ``step_s``
+        seconds, an explore step or not; bounds the explore steps' share of the time."""
+        d = self.decay
+        self._seconds = [self._seconds[0] * d + explore * step_s, self._seconds[1] * d + step_s]
 
 
 class ActivationMeter:

@@ -33,6 +33,8 @@ class ControllerSettings:
         explore_run_steps: pure-decode steps an explore of drafting lasts (while off); the first,
             which pays the drafter's catch-up, is left out of the realised drafting figure
             (:class:`engine.spec_cost.RealisedCheck`).
+        explore_time_share: explore steps start only while they took at most this share of the
+            recent pure-decode time (:class:`engine.spec_cost.RealisedCheck`).
         settled_fit_interval_steps: while the realised rates keep speculation off by a wide margin,
             only one plain-decoding step in this many is metered and fed to the cost model (its
             fit matters then only at explore steps and for latency budgets; metering and fitting
@@ -58,6 +60,7 @@ class ControllerSettings:
     explore_interval_steps: int = 8
     explore_backoff_doublings: int = 2
     explore_run_steps: int = 3
+    explore_time_share: float = 0.1
     settled_fit_interval_steps: int = 8
     replan_interval_steps: int = 4
     thin_margin: float = 0.2

@@ -234,6 +234,59 @@ def test_explore_steps_back_off_while_the_margin_stays_wide_and_not_when_thin():
     assert 8 in recovered and recovered[-3:] == [8, 8, 8]
 
 
+def test_explore_steps_keep_to_their_share_of_the_time():
+    """At a thin margin explores come every 8 steps, but an explore that pays the drafter's
+    catch-up can take several plain steps' time: with ``explore_time_share`` 0.1 they start only
+    while explore steps took at most 10 % of the recent time, however long each one is."""
+    def share_and_gaps(explore_step_s: float, time_share: float) -> tuple[float, list[int]]:
+        rc = RealisedCheck(0.05, 8, 0.2, 0.99, 2.0, required_gain=0.05, explore_time_share=time_share)
+        for _ in range(3):  # drafting measured at 0.95 of plain decoding's rate: a thin margin
+            rc.observe(4, False, 4, 0.010)
+            rc.observe(4, True, 8, 0.020 / 0.95)
+        gaps, last, explore_s, total_s = [], 0, 0.0, 0.0
+        for t in range(1, 2001):
+            _, explore = rc.verdict(4, on=False)
+            step_s = explore_step_s if explore else 0.010
+            if explore:
+                gaps.append(t - last)
+                last = t
+                rc.observe(4, True, round(8 * explore_step_s / 0.021), step_s)
+            else:
+                rc.observe(4, False, 4, step_s)
+            rc.note_time(step_s, explore)
+            if t > 1000:
+                explore_s, total_s = explore_s + explore * step_s, total_s + step_s
+        return explore_s / total_s, gaps
+    share, gaps = share_and_gaps(0.021, 1.0)
+    assert set(gaps) == {8} and share > 0.2  # unbounded: a fifth of the time in explore steps
+    share, gaps = share_and_gaps(0.021, 0.1)
+    assert 0.07 < share <= 0.11 and min(gaps[5:]) > 8  # (an explore starting at 10 % adds its own)
+    share, _ = share_and_gaps(0.080, 0.1)  # explores 8x a plain step: rarer still, same share
+    assert 0.05 < share <= 0.15  # one 80 ms explore overshoots the 10 % by up to its own weight
+
+
+def test_no_probes_while_the_realised_rates_say_off():
+    """A probe drafts every sequence (after a stretch off: the drafter's catch-up on all of it);
+    while the realised rates keep speculation off, even by a thin margin, explore steps alone
+    re-measure drafting."""
+    sim = SyntheticStep(d_pass=0.0002, c0=0.01)
+    caps = {f"s{i}": 8 for i in range(4)}
+    ctl = controller()
+    rng = np.random.default_rng(10)
+    sim.run(ctl, caps, dict.fromkeys(caps, 0.9), rng, 40)
+    reasons = []
+    for _ in range(200):
+        decision = ctl.plan(caps, len(caps))
+        reasons.append(decision.reason)
+        drafted = sum(decision.k.values())
+        for sid, k in decision.k.items():
+            ctl.observe_acceptance(sid, k, k)
+        # Drafting realises 0.97 of plain decoding's 400 tok/s: off, by a thin margin.
+        ctl.observe_goodput(4 + drafted, (4 + drafted) / (400 * 0.97) if drafted else 0.010)
+    assert ctl.realised.standing(4, on=False) is False and not ctl.realised.settled_off(4, on=False)
+    assert "probe" not in reasons[100:] and "explore" in reasons[100:]
+
+
 def test_an_explore_of_drafting_is_a_run_whose_switch_step_is_not_counted():
     """Kept off, the drafter misses every token, and the first drafting step feeds it all of them
     (at concurrency 1 over HTTP that made drafting look slower than plain decoding, and the
@@ -390,7 +443,7 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     optimised = []
     real_optimise = ctl._optimise
     ctl._optimise = lambda *a: optimised.append(1) or real_optimise(*a)
-    off = drive(64, 0.100)
+    off = drive(200, 0.100)  # explores of 100 ms steps come ~1 in 100 steps (explore_time_share)
     ctl._optimise = real_optimise
     assert len(optimised) == sum(d.reason == "explore" for d in off) > 0
     plain = [d for d in off if d.reason == "adaptive"]
@@ -403,7 +456,7 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     # An explore step of off pays no optimisation either (it measures off as off runs).
     optimised.clear()
     ctl._optimise = lambda *a: optimised.append(1) or real_optimise(*a)
-    on = drive(64, 0.012)
+    on = drive(130, 0.012)  # at a wide margin an explore comes at least every 128 steps
     ctl._optimise = real_optimise
     assert any(d.reason == "explore" and not sum(d.k.values()) for d in on)
     # Each optimised plan serves at most 4 steps (the first up to 3 may reuse the plan before).
