@@ -47,14 +47,20 @@ class AcceptanceEstimates:
         self._global = ([0.0] * max_k, [0.0] * max_k)  # (accepted, tried) per position
         self._seqs: dict[str, tuple[list[float], list[float]]] = {}
         self._unseen = ([0.0] * max_k, [0.0] * max_k)
+        self._server_wide: np.ndarray | None = None  # cached until the next observation
 
     def server_wide(self) -> np.ndarray:
-        """``(max_k,)`` in [0, 1]: each position's counts shrunk toward the position before it."""
-        w, prev, glob = self.prior_weight, self.prior, []
-        for a, t in zip(*self._global):
-            prev = (a + w * prev) / (t + w)
-            glob.append(prev)
-        return np.array(glob)
+        """``(max_k,)`` in [0, 1], read-only: each position's counts shrunk toward the position
+        before it. Cached between observations: the latency-budget planning asks for every
+        decoding sequence's expected tokens, each step (:mod:`engine.slo`)."""
+        if self._server_wide is None:
+            w, prev, glob = self.prior_weight, self.prior, []
+            for a, t in zip(*self._global):
+                prev = (a + w * prev) / (t + w)
+                glob.append(prev)
+            self._server_wide = np.array(glob)
+            self._server_wide.flags.writeable = False
+        return self._server_wide
 
     def of_sequences(self, seq_ids: Sequence[str], glob: np.ndarray) -> np.ndarray:
         """``(len(seq_ids), max_k)``: each sequence's counts shrunk toward ``glob``
@@ -70,6 +76,7 @@ class AcceptanceEstimates:
     def observe_many(self, seq_ids: Sequence[str], num_drafted: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Verifications in order: ``num_drafted[i]`` (1..max_k) tokens of ``seq_ids[i]``, the
         first ``num_accepted[i]`` (0..num_drafted[i]) accepted."""
+        self._server_wide = None
         for sid, drafted, accepted in zip(seq_ids, num_drafted, num_accepted):
             counts = self._seqs.get(sid)
             if counts is None:

@@ -264,11 +264,11 @@ class SpeculationController:
             gains[(ready[:, :1] >= 0.5) & (ready == 0)] = 0.0
         cand = draft_candidates(gains, ready, charged)
         expected = len(ids) + num_prefills + cand.gain
-        drafted, passes, caught = cand.drafted, cand.passes, cand.caught
         tokens = num_base_tokens + cand.tokens
-        draft_s = np.where(drafted > 0, self.draft_cost.predict(1.0, passes, drafted, caught), 0.0)
+        drafting = cand.drafted > 0
+        draft_s = np.where(drafting, self.draft_cost.predict(1.0, cand.passes, cand.drafted, cand.caught), 0.0)
         target_s = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
-        calibration = np.where(drafted > 0, self.calibration[True], self.calibration[False])
+        calibration = np.where(drafting, self.calibration[True], self.calibration[False])
         step_s = np.maximum(draft_s + target_s, 1e-6) * calibration
         # A prefill chunk riding along costs the same whatever is drafted, and diluting the drafts'
         # cost in its time made drafting look cheap: the decodes' drafting is judged by their own
@@ -359,10 +359,6 @@ class SpeculationController:
             self._ready[seq_id] = min(length, self.max_k)
 
     # ------------------------------------------------------------------ feedback
-    def observe_acceptance(self, seq_id: str, num_drafted: int, num_accepted: int) -> None:
-        """One verification of ``num_drafted`` tokens, the first ``num_accepted`` accepted."""
-        self.observe_acceptances([(seq_id, num_drafted, num_accepted)])
-
     def observe_acceptances(self, verified: list[tuple[str, int, int]]) -> None:
         """One step's verifications ``(seq_id, num_drafted, num_accepted)``, one per sequence;
         those that drafted nothing are ignored."""

@@ -223,7 +223,7 @@ def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to
 
     controller = SpeculationController(max_k=4)
     for _ in range(50):  # "spec" accepts about 3 of 4 drafts
-        controller.observe_acceptance("spec", 4, 3)
+        controller.observe_acceptances([("spec", 4, 3)])
     controller.last = Decision(k={"spec": 4, "plain": 0})
     expected = controller.expected_tokens("spec", 4)
     acc = controller.acceptance("spec")

@@ -43,7 +43,7 @@ class SyntheticStep:
                 accepted = 0
                 while accepted < k and rng.random() < acceptance[sid]:
                     accepted += 1
-                controller.observe_acceptance(sid, k, accepted)
+                controller.observe_acceptances([(sid, k, accepted)])
         return last  # the controller's own choice (the final step may be a probe)
 
 
@@ -119,7 +119,7 @@ def test_warmup_then_periodic_probes_of_every_length_and_fixed_policy():
         d = ctl.plan(caps, 1)
         decisions.append(d)
         ctl.observe_step(0.05 * d.k["a"], d.k["a"], d.k["a"], 0.01, 1 + d.k["a"], None)
-        ctl.observe_acceptance("a", d.k["a"], 0)
+        ctl.observe_acceptances([("a", d.k["a"], 0)])
     probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
     assert probes == [4, 9, 14, 19, 24, 29, 34, 39]  # every 5 decode steps after the warm-up
     assert [decisions[i].k["a"] for i in probes] == [2, 4, 0, 2] * 2  # 2, max, 0, max / 2 in turn
@@ -280,7 +280,7 @@ def test_no_probes_while_the_realised_rates_say_off():
         reasons.append(decision.reason)
         drafted = sum(decision.k.values())
         for sid, k in decision.k.items():
-            ctl.observe_acceptance(sid, k, k)
+            ctl.observe_acceptances([(sid, k, k)])
         # Drafting realises 0.97 of plain decoding's 400 tok/s: off, by a thin margin.
         ctl.observe_goodput(4 + drafted, (4 + drafted) / (400 * 0.97) if drafted else 0.010)
     assert ctl.realised.standing(4, on=False) is False and not ctl.realised.settled_off(4, on=False)
@@ -415,7 +415,7 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
             emitted = len(caps)
             for sid, k in decision.k.items():
                 accepted = int(np.argmin(np.append(rng.random(k) < 0.9, False)))  # run of accepts
-                ctl.observe_acceptance(sid, k, accepted)
+                ctl.observe_acceptances([(sid, k, accepted)])
                 emitted += accepted
             drafted = sum(decision.k.values())
             # The model keeps learning the synthetic (cheap) costs; the realised step says otherwise.
