@@ -55,21 +55,38 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def expert_rows(tokens: int, seed: int = 0):
-    """Rows, weights and per-expert counts of a real routing of ``tokens`` random hidden states."""
+def expert_rows(tokens: int, config, dtype, device: str, seed: int = 0):
+    """Rows, weights and per-expert counts of a real routing of ``tokens`` random hidden states of
+    ``config``'s width, on ``device``."""
     import torch
 
     from engine.model.moe import dispatch
     from kernels.routing import topk_routing
 
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, 128, generator=gen)
-    logits = torch.randn(tokens, 8, generator=gen)
-    plan = dispatch(hidden, topk_routing(logits, 2, True))
+    hidden = torch.randn(tokens, config.hidden_size, generator=gen).to(device, dtype)
+    logits = torch.randn(tokens, config.moe.num_experts, generator=gen).to(device)
+    plan = dispatch(hidden, topk_routing(logits, config.moe.top_k, True))
     return plan.hidden, plan.weights, plan.expert_counts.tolist()
 
 
-def bench_experts(iters: int, experts_per_actor: int) -> list[dict]:
+def _synced(fn, device: str):
+    """``fn`` followed by a device sync, so CUDA work is inside the timed call."""
+    import torch
+
+    if device == "cpu":
+        return fn
+
+    def call(*args):
+        out = fn(*args)
+        torch.cuda.synchronize()
+        return out
+
+    return call
+
+
+def bench_experts(iters: int, experts_per_actor: int, checkpoint: str = TARGET, dtype: str = "float32",
+                  device: str = "cpu") -> list[dict]:
     import torch
 
     from actors.config import ExpertPoolConfig
@@ -77,22 +94,26 @@ def bench_experts(iters: int, experts_per_actor: int) -> list[dict]:
     from actors.expert_router import ExpertRouter
     from engine.checkpoint import CheckpointReader
     from engine.config import load_model_config
+    from engine.loader import resolve_dtype
     from engine.model import ExpertStore
 
-    config = load_model_config(TARGET)
-    local = ExpertStore(CheckpointReader(TARGET), config)
+    config, torch_dtype = load_model_config(checkpoint), resolve_dtype(dtype)
+    local = ExpertStore(CheckpointReader(checkpoint), config, dtype=torch_dtype, device=device)
+    num_gpus = 0.25 if device != "cpu" else 0.0
     rows_out = []
     for transport in ("compiled_graph", "actor_calls"):
-        pool = ExpertPool(TARGET, 8, ExpertPoolConfig(experts_per_actor=experts_per_actor, transport=transport),
+        pool_config = ExpertPoolConfig(experts_per_actor=experts_per_actor, transport=transport, num_gpus=num_gpus)
+        pool = ExpertPool(checkpoint, config.moe.num_experts, pool_config, dtype=dtype, device=device,
                           prefix=f"bench-{transport}", detached=False)
         pool.start()
-        router = ExpertRouter(pool, torch.float32, graph=transport == "compiled_graph")
+        router = ExpertRouter(pool, torch_dtype, graph=transport == "compiled_graph")
         if router.graph is not None:
             _wait_live(router.graph)
         for batch in (1, 8):
-            rows, weights, counts = expert_rows(batch * 7)
-            hop = _times_ms(iters, router.run_layer, 0, rows, weights, counts)
-            work = _times_ms(iters, local.forward, 0, rows, torch.tensor(counts), weights)
+            rows, weights, counts = expert_rows(batch * 7, config, torch_dtype, device)
+            layer = config.moe.sparse_layers[0]
+            hop = _times_ms(iters, _synced(router.run_layer, device), layer, rows, weights, counts)
+            work = _times_ms(iters, _synced(local.forward, device), layer, rows, torch.tensor(counts), weights)
             rows_out.append({"hop": f"expert layer ({transport})", "batch": batch, "rows": rows.shape[0],
                              "median_ms": hop[0], "p99_ms": hop[1], "in_process_ms": work[0],
                              "overhead_ms": hop[0] - work[0]})
@@ -150,6 +171,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--experts-per-actor", type=int, default=8, help="8: one actor (the embedded default)")
+    parser.add_argument("--checkpoint", default=TARGET, help="the target whose experts the actors hold")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="cuda: the actors and the rows on the GPU (a host "
+                        "copy each way at the wire), the draft hop skipped")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     import os
@@ -160,7 +185,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     try:
-        rows = bench_experts(args.iters, args.experts_per_actor) + bench_draft(args.iters)
+        rows = bench_experts(args.iters, args.experts_per_actor, args.checkpoint, args.dtype, args.device)
+        rows += bench_draft(args.iters) if args.device == "cpu" else []
     finally:
         ray.shutdown()
     print_table([r for r in rows if "median_ms" in r], ["hop", "batch", "rows", "median_ms", "p99_ms",

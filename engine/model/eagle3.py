@@ -34,7 +34,7 @@ from engine.config import ModelConfig, _field_getter, _rope_theta, read_config_j
 from engine.errors import CheckpointError, ConfigError
 from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
-from engine.model.layers import Rotary, apply_rotary, attention, plan_attention, rms_norm
+from engine.model.layers import Rotary, apply_rotary, attention, attention_backends, plan_attention, rms_norm
 from kernels.expert_ffn import swiglu
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -203,7 +203,8 @@ class Eagle3Head:
         qkv = F.linear(x, self.wqkv)
         qk = apply_rotary(qkv[:, : (nq + nkv) * c.head_dim].view(n, nq + nkv, c.head_dim), cos, sin)
         v = qkv[:, (nq + nkv) * c.head_dim:].view(n, nkv, c.head_dim)
-        out = attention(qk[:, :nq], qk[:, nq:], v, kv.k[0], kv.v[0], batch, plan)
+        with attention_backends(self.device):
+            out = attention(qk[:, :nq], qk[:, nq:], v, kv.k[0], kv.v[0], batch, plan)
         r = h + F.linear(out.flatten(1), self.wo)
         r = r + swiglu(rms_norm(r, self.post_attn_norm, c.rms_norm_eps), *self.mlp)
         r = r[batch.logits_indices]

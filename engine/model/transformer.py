@@ -19,7 +19,13 @@ from engine.expert_predictor import PreGatePredictor
 from engine.kv_cache import KVCache
 from engine.model.batch import ForwardBatch
 from engine.model.dense import DenseOps
-from engine.model.layers import Rotary, grouped_attention, plan_grouped_attention, rms_norm
+from engine.model.layers import (
+    Rotary,
+    attention_backends,
+    grouped_attention,
+    plan_grouped_attention,
+    rms_norm,
+)
 from engine.model.moe import ExpertExecutor, submit_experts
 from engine.model.names import layer_prefix, mlp_names, moe_prefix, router_name
 from kernels.expert_ffn import linear_layout, swiglu
@@ -153,7 +159,8 @@ class Transformer:
             order (None when ``layer_ids`` is empty).
         """
         parts = batch.split(getattr(self.experts, "microbatches", 1)) if self.experts is not None else [batch]
-        outs = _interleave([self._layer_steps(b, kv, layer_ids) for b in parts])
+        with attention_backends(self.device):  # around every micro-batch: their layers interleave
+            outs = _interleave([self._layer_steps(b, kv, layer_ids) for b in parts])
         if len(outs) == 1:
             return outs[0]
         logits = torch.cat([o[0] for o in outs])

@@ -59,3 +59,18 @@ def test_plan_shortcuts_equal_the_general_masked_path(name):
     assert fast.shape == (n, HEADS, DIM)
     torch.testing.assert_close(fast, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(fast_cache, general_cache)  # the same keys and values written
+
+
+def test_forwards_on_cuda_leave_cudnn_attention_out_and_others_keep_torch_choice():
+    # cuDNN's SDPA builds a plan per new shape, and every decode step brings a new key length
+    # (engine/model/layers.py). The switches are process flags, so this runs without a GPU.
+    from engine.model.layers import attention_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends("cuda:0"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with attention_backends("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

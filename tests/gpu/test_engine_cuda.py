@@ -38,3 +38,13 @@ def test_engine_on_cuda_equals_the_cpu_engine_and_runs_the_kernels(kernel_calls)
         assert all(len(t.top) == len(c.outputs[0].logprobs[0].top) for t in g.outputs[0].logprobs)
     assert kernel_calls["topk_routing_triton"] > 0 and kernel_calls["expert_ffn_triton"] > 0
     assert kernel_calls["rejection_sample_triton"] > 0  # the sampled request's verification steps
+
+
+def test_cuda_decoding_never_builds_cudnn_attention_plans():
+    # cuDNN's SDPA would build an execution plan for each new key length, i.e. every decode step.
+    llm = LLM(TARGET, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names
+    assert not [n for n in names if "cudnn" in n and "attention" in n]
