@@ -5,6 +5,10 @@
 # holding those weights on the GPU. Logs go to $OUT (default runs/gpu); each step's tail is printed.
 #
 #   PY=python3 OUT=/tmp/gpu scripts/gpu_check.sh
+#
+# On a machine without msgspec or Ray (the lent H200's image), carry the wheels that
+# scripts/device_wheels.sh writes to .whl/ and start with
+#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -u
 OUT=${OUT:-runs/gpu}
 PY=${PY:-python3}
