@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The device checks in one call, each step under its own time limit: the GPU test tier (without
 # the HTTP test, which needs Ray Serve's web stack), the kernel benchmark, the engine on CUDA with
-# Mixtral-shaped random weights against transformers, and one MoE layer's hop to expert actors
-# holding those weights on the GPU. Logs go to $OUT (default runs/gpu); each step's tail is printed.
+# Mixtral-shaped random weights against transformers, expert offload from pinned host memory at
+# that size, and one MoE layer's hop to expert actors holding those weights on the GPU. Logs go to
+# $OUT (default runs/gpu); each step's tail is printed.
 #
 #   PY=python3 OUT=/tmp/gpu scripts/gpu_check.sh
 #
@@ -16,7 +17,7 @@ CKPT=${CKPT:-/tmp/mixtral-shaped}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
-STEPS=${STEPS:-gpu_tier,kernels,engine_cuda,transport_cuda}  # which steps to run
+STEPS=${STEPS:-gpu_tier,kernels,engine_cuda,offload_cuda,transport_cuda}  # which steps to run
 
 step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log to $OUT/NAME.log, print its tail
     local name=$1 limit=$2 t0 rc
@@ -36,5 +37,7 @@ step gpu_tier "${GPU_TIER_S:-200}" $PY -m pytest -q -m gpu tests/gpu --ignore=te
 step kernels "${KERNELS_S:-60}" $PY benchmarks/kernels.py --quick
 step engine_cuda "${ENGINE_S:-240}" $PY benchmarks/engine_cuda.py --checkpoint-dir "$CKPT" \
     --configs "${CONFIGS:-plain,ngram k=4,plain compiled}" --save-result "$OUT/engine_cuda.json"
+step offload_cuda "${OFFLOAD_S:-90}" $PY benchmarks/offload_cuda.py --checkpoint "$CKPT" \
+    --save-result "$OUT/offload_cuda.json"
 step transport_cuda "${TRANSPORT_S:-90}" $PY benchmarks/transport.py --device cuda --dtype bfloat16 \
     --checkpoint "$CKPT" --iters 100 --save-result "$OUT/transport_cuda.json"
