@@ -48,8 +48,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             prompts must be token ids, outputs are token ids with empty text, and stop strings are
             refused (vLLM's option). Draft models never load one.
         compile: run the target's and the draft model's per-layer dense parts (norms, projections,
-            RoPE) under ``torch.compile``; off by default: with the bundled checkpoints on a 2-core
-            CPU it did not pay (docs/BENCHMARKS.md). Needs a C++ compiler on CPU, Triton on CUDA;
+            RoPE) under ``torch.compile``; off by default: it did not pay with the bundled
+            checkpoints on a 2-core CPU, nor on an H200 with Mixtral-shaped layers (TPOT 3.87 vs
+            3.04 ms at batch 1; docs/BENCHMARKS.md). Needs a C++ compiler on CPU, Triton on CUDA;
             the first forward of each new shape class compiles (seconds).
         scheduler: batching limits.
     """
