@@ -27,6 +27,12 @@ def machine() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+def sync(device: str | torch.device) -> None:
+    """Wait for the work queued on a CUDA ``device`` (nothing elsewhere), so timers include it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 class Timer:
     """Wall-clock seconds of a block: ``with Timer() as t: ...; t.elapsed_s``."""
 

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine, print_table, save_json  # noqa: E402
+from benchmarks.common import machine, print_table, save_json, sync  # noqa: E402
 
 DEVICE = "cuda"  # a module constant so the functions can be smoke-run elsewhere
 MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -68,11 +68,6 @@ def write_checkpoint(out: Path, layers: int, seed: int = 0, device: str = "cuda"
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(1, MIXTRAL["vocab_size"], (batch, length), generator=gen).tolist()
@@ -93,10 +88,10 @@ def bench_specmoe(path: str, name: str, dtype: str, batches: list[int], prompt_t
     for batch in batches:
         prompts = _prompts(batch, prompt_tokens, seed=batch)
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
-        _sync()
+        sync(DEVICE)
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
-        _sync()
+        sync(DEVICE)
         seconds = time.perf_counter() - start
         ttft_s = _ttft_s(llm, prompts)
         tokens[batch] = [o.outputs[0].token_ids for o in outs]
@@ -112,10 +107,10 @@ def _ttft_s(llm, prompts: list[list[int]]) -> float:
     """Seconds of a one-token generate: the prefill (the step a request's first token comes from)."""
     from engine import SamplingParams
 
-    _sync()
+    sync(DEVICE)
     start = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    _sync()
+    sync(DEVICE)
     return time.perf_counter() - start
 
 
@@ -128,7 +123,7 @@ def _profile_step(llm, prompts: list[list[int]], params) -> None:
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
-        _sync()
+        sync(DEVICE)
     table = prof.key_averages()
     print(table.table(sort_by="self_cpu_time_total", row_limit=15))
     print(table.table(sort_by="self_cuda_time_total", row_limit=12))
@@ -161,10 +156,10 @@ def _generate(model, name: str, batches: list[int], prompt_tokens: int, max_toke
         kwargs = dict(do_sample=False, min_new_tokens=max_tokens, max_new_tokens=max_tokens, pad_token_id=0)
         with torch.inference_mode():
             model.generate(input_ids=ids, **{**kwargs, "min_new_tokens": 4, "max_new_tokens": 4})
-            _sync()
+            sync(DEVICE)
             start = time.perf_counter()
             out = model.generate(input_ids=ids, **kwargs)
-            _sync()
+            sync(DEVICE)
         seconds = time.perf_counter() - start
         tokens[batch] = out[:, prompt_tokens:].tolist()
         rows.append({"system": name, "batch": batch, "tok_per_s": batch * max_tokens / seconds})

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine, print_table, save_json  # noqa: E402
+from benchmarks.common import machine, print_table, save_json, sync  # noqa: E402
 from engine.checkpoint import CheckpointReader  # noqa: E402
 from engine.config import load_model_config  # noqa: E402
 from engine.expert_offload import OffloadedExpertStore  # noqa: E402
@@ -38,11 +38,6 @@ from engine.model import ExpertStore  # noqa: E402
 from engine.model.moe import dispatch  # noqa: E402
 from engine.model.names import router_name  # noqa: E402
 from kernels.routing import topk_routing  # noqa: E402
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def routed_steps(checkpoint: str, steps: int, tokens: int, dtype: torch.dtype, device: str) -> list[list[tuple]]:
@@ -66,14 +61,14 @@ def run_passes(store, steps: list[list[tuple]], device: str, hints: bool) -> tup
     """Milliseconds per step (median) and every layer call's output."""
     times, outputs = [], []
     for step in steps:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         for i, (layer, rows, counts, weights) in enumerate(step):
             nxt = steps[0][0] if i + 1 == len(step) else step[i + 1]  # the next pass starts at the first layer
             hint = (nxt[0], [e for e, c in enumerate(nxt[2].tolist()) if c]) if hints else None
             kwargs = {"prefetch": hint} if isinstance(store, OffloadedExpertStore) else {}
             outputs.append(store.forward(layer, rows, counts, weights, **kwargs))
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times), outputs
 
@@ -85,12 +80,12 @@ def transfer_gb_per_s(store: OffloadedExpertStore, loads: int, device: str) -> f
     seconds = []
     for i in range(loads):
         dst = [p[0] for p in store.pool]
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         event = store.tier.load(layer, store.expert_ids[i % len(store.expert_ids)], dst)
         if event is not None:
             event.synchronize()
-        _sync(device)
+        sync(device)
         seconds.append(time.perf_counter() - start)
     return nbytes / statistics.median(seconds) / 1e9
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import DRAFT, ROOT, machine, print_table, save_json  # noqa: E402
+from benchmarks.common import DRAFT, ROOT, machine, print_table, save_json, sync  # noqa: E402
 
 TARGET = str(ROOT / "checkpoints/stdlib-moe-target")
 
@@ -72,14 +72,10 @@ def expert_rows(tokens: int, config, dtype, device: str, seed: int = 0):
 
 def _synced(fn, device: str):
     """``fn`` followed by a device sync, so CUDA work is inside the timed call."""
-    import torch
-
-    if device == "cpu":
-        return fn
 
     def call(*args):
         out = fn(*args)
-        torch.cuda.synchronize()
+        sync(device)
         return out
 
     return call
