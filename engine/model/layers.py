@@ -7,11 +7,11 @@ Each matches the Hugging Face Llama/Mixtral/Qwen reference (``LlamaRMSNorm``,
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.model.batch import ForwardBatch
 
@@ -207,18 +207,45 @@ def _mask(batch: ForwardBatch, max_q: int, max_kv: int, uniform: bool, sliding_w
     return mask[:, None]
 
 
-# cuDNN's SDPA (the backend torch prefers on Hopper) builds an execution plan for every new shape,
-# and decoding grows the key length by one each step: measured on an H200, each decode step of a
-# 2-layer Mixtral-shaped model took ~39 ms against ~4 ms once the shapes had been seen. Flash and
-# memory-efficient attention take any length at no build cost.
-_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+class _CudnnAttentionOff:
+    """cuDNN's SDPA switched off while any CUDA forward runs, and back as it was after the last.
+
+    cuDNN's SDPA (the backend torch prefers on Hopper) builds an execution plan for every new shape,
+    and decoding grows the key length by one each step: measured on an H200, each decode step of a
+    2-layer Mixtral-shaped model took ~39 ms against ~3 ms without it (flash and memory-efficient
+    attention take any length at no build cost). torch's switch is process-wide and the draft model
+    may run on a second thread (engine/drafters/pipelined.py), so entries are counted under a lock:
+    a per-forward ``sdpa_kernel`` context would restore cuDNN when one thread's forward ends while
+    the other's is still running.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved = True
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._saved = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+            self._depth += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                torch.backends.cuda.enable_cudnn_sdp(self._saved)
+
+
+_CUDNN_ATTENTION_OFF = _CudnnAttentionOff()
 
 
 def attention_backends(device: torch.device | str) -> contextlib.AbstractContextManager:
-    """The SDPA backends a forward on ``device`` may use: on CUDA all but cuDNN (a context for a
-    whole forward, ~10 us to enter); elsewhere torch's choice."""
+    """The context a whole forward on ``device`` runs in: on CUDA without cuDNN's SDPA
+    (:class:`_CudnnAttentionOff`), elsewhere as torch chooses."""
     if torch.device(device).type == "cuda":
-        return sdpa_kernel(_CUDA_SDPA_BACKENDS)
+        return _CUDNN_ATTENTION_OFF
     return contextlib.nullcontext()
 
 

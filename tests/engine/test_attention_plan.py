@@ -61,16 +61,21 @@ def test_plan_shortcuts_equal_the_general_masked_path(name):
     assert torch.equal(fast_cache, general_cache)  # the same keys and values written
 
 
-def test_forwards_on_cuda_leave_cudnn_attention_out_and_others_keep_torch_choice():
+def test_forwards_on_cuda_leave_cudnn_attention_out_until_the_last_one_ends():
     # cuDNN's SDPA builds a plan per new shape, and every decode step brings a new key length
-    # (engine/model/layers.py). The switches are process flags, so this runs without a GPU.
+    # (engine/model/layers.py). The switch is a process flag, so this runs without a GPU. Two
+    # forwards overlap as the target's and a pipelined draft's on two threads do.
     from engine.model.layers import attention_backends
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with attention_backends("cuda:0"):
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-        assert torch.backends.cuda.math_sdp_enabled()
+    target, draft = attention_backends("cuda:0"), attention_backends("cuda")
+    target.__enter__()
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    draft.__enter__()
+    target.__exit__(None, None, None)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # the draft's forward is still running
+    draft.__exit__(None, None, None)
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with attention_backends("cpu"):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
