@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies, decoded and validated with msgspec.
 
-Unknown fields are ignored, as OpenAI does; out-of-range values raise :class:`ProtocolError`, which
-the ingress turns into HTTP 400 naming the parameter. The ranges are the engine's own table
+Unknown fields are ignored, as OpenAI does, and null means the default; out-of-range values and
+parameters specmoe does not implement (:data:`UNSUPPORTED`, unless their value asks for nothing)
+raise :class:`ProtocolError`, which the ingress turns into HTTP 400 naming the parameter. The ranges are the engine's own table
 (:data:`engine.request_ranges.RANGES`), so the server and the offline engine accept the same values.
 specmoe extensions (vLLM's names): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``num_speculative_tokens``, ``priority``, and ``slo_class`` (the request's latency budget class,
@@ -10,17 +11,28 @@ see ``engine.scheduler.slo_classes``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 from engine.request_ranges import RequestError, check_range, check_stop, is_token_ids
 from engine.sampling_params import SamplingParams
 
-# OpenAI parameters specmoe does not implement: rejected (400 naming them) rather than silently ignored.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix")
+# Parameters specmoe does not implement (OpenAI's, then vLLM's sampling extensions), each with the
+# values that ask for nothing (what clients send by default): any other value is a 400 naming the
+# parameter rather than silently ignored, since it would change the output.
+UNSUPPORTED: dict[str, tuple] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "logit_bias": ({},), "suffix": ("",), "echo": (False,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "length_penalty": (1,),
+    "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,), "prompt_logprobs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+}
+# Fields a client may send as null for "the default" (OpenAI's schema marks them nullable).
+NULL_MEANS_DEFAULT = {"n": 1, "stream": False, "ignore_eos": False, "priority": 0}
 
 
 class ProtocolError(ValueError):
@@ -53,19 +65,17 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     top_k: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = None
-    priority: int = 0  # vLLM's request field: lower is scheduled earlier (scheduling_policy priority|slo)
+    priority: int | None = 0  # vLLM's request field: lower is scheduled earlier (scheduling_policy priority|slo)
     slo_class: str | None = None  # latency budget class of engine.scheduler.slo_classes
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     best_of: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -74,14 +84,31 @@ class _Sampling(msgspec.Struct, kw_only=True):
     response_format: dict | None = None
     logit_bias: dict | None = None
     suffix: str | None = None
+    echo: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    use_beam_search: bool | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    def __post_init__(self) -> None:
+        for name, default in NULL_MEANS_DEFAULT.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
 
     def check_unsupported(self) -> None:
-        for name in UNSUPPORTED:
-            if getattr(self, name) is not None:
-                raise ProtocolError(f"'{name}' is not supported by this server", name)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ProtocolError(f"'{name}' is not supported by this server (only 0)", name)
+        for name, no_op in UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and value not in no_op:  # (the field types keep bools from equalling 0)
+                only = f" (only {', '.join(msgspec.json.encode(v).decode() for v in no_op)})" if no_op else ""
+                raise ProtocolError(f"'{name}' is not supported by this server{only}", name)
         if self.best_of not in (None, 1, self.n):
             raise ProtocolError("'best_of' is not supported (only equal to n)", "best_of")
 
@@ -122,14 +149,11 @@ class CompletionRequest(_Sampling, kw_only=True):
     # msgspec unions allow one array type: the element types are checked in validate().
     prompt: str | list
     logprobs: int | None = None
-    echo: bool = False
 
     def validate(self) -> None:
         self.check_ranges()
         with protocol_errors():
             check_range("logprobs", self.logprobs)
-        if self.echo:
-            raise ProtocolError("'echo' is not supported", "echo")
         if isinstance(self.prompt, list) and self.prompt and _looks_like_token_ids(self.prompt) \
                 and not is_token_ids(self.prompt):
             raise ProtocolError("'prompt' token ids must be integers", "prompt")
@@ -169,8 +193,13 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.logprobs is None:
+            self.logprobs = False
 
     def validate(self) -> None:
         if self.max_completion_tokens is not None:
@@ -193,13 +222,22 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def _error_param(message: str) -> str | None:
+    """The top-level field a msgspec validation message is about: its path's first name
+    (``... - at `$.messages[0].role` `` -> ``messages``), or the missing field of the body itself
+    (``Object missing required field `model` `` -> ``model``)."""
+    if "$." in message:
+        return message.rsplit("$.", 1)[-1].split("[")[0].split(".")[0].rstrip("`")
+    missing = re.search(r"missing required field `([^`]+)`", message)
+    return missing.group(1) if missing else None
+
+
 def decode_request(body: bytes, schema: type[_Sampling]) -> _Sampling:
     """Decode + validate; raises ProtocolError (400) naming the parameter."""
     try:
         req = msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as e:
-        param = str(e).rsplit("$.", 1)[-1].split("[")[0].rstrip("`") if "$." in str(e) else None
-        raise ProtocolError(f"invalid request: {e}", param) from e
+        raise ProtocolError(f"invalid request: {e}", _error_param(str(e))) from e
     except msgspec.DecodeError as e:
         raise ProtocolError(f"invalid JSON body: {e}") from e
     except RecursionError as e:  # msgspec's decoder recurses per nesting level (~1000 deep fails)

@@ -107,3 +107,44 @@ def test_stream_options_without_stream_and_a_message_without_content_are_400s():
     # An assistant turn may carry no content (OpenAI: one that made tool calls).
     ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
     assert len(decode_request(msgspec.json.encode(ok), ChatCompletionRequest).messages) == 2
+
+
+@pytest.mark.parametrize("schema", [CompletionRequest, ChatCompletionRequest])
+def test_null_means_the_default_for_every_optional_field(schema):
+    # OpenAI's schema marks these nullable and clients send null for "not set".
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "n": None, "stream": None, "ignore_eos": None, "priority": None, "echo": None, "logprobs": None}
+    req = decode_request(msgspec.json.encode(body), schema)
+    assert (req.n, req.stream, req.ignore_eos, req.priority) == (1, False, False, 0)
+    assert req.sampling_params(3, None).n == 1
+    if schema is ChatCompletionRequest:
+        assert req.logprobs is False and req.num_logprobs is None
+
+
+@pytest.mark.parametrize(("field", "no_op", "refused"), [
+    ("tools", [], [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "none", "auto"),
+    ("response_format", {"type": "text"}, {"type": "json_object"}), ("logit_bias", {}, {"5": 10}),
+    ("suffix", "", "end"), ("echo", False, True), ("presence_penalty", 0.0, 0.5),
+    ("repetition_penalty", 1.0, 1.2), ("min_p", 0, 0.1), ("min_tokens", 0, 3), ("use_beam_search", False, True),
+    ("prompt_logprobs", None, 1), ("guided_json", None, {"type": "object"}),
+])
+@pytest.mark.parametrize("schema", [CompletionRequest, ChatCompletionRequest])
+def test_an_unsupported_parameter_is_refused_by_name_unless_it_asks_for_nothing(schema, field, no_op, refused):
+    # Silently ignoring a value that changes the output would answer a different question.
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    decode_request(msgspec.json.encode({**body, field: no_op}), schema)
+    with pytest.raises(ProtocolError, match=f"'{field}' is not supported by this server") as err:
+        decode_request(msgspec.json.encode({**body, field: refused}), schema)
+    assert (err.value.param, err.value.status) == (field, 400)
+
+
+@pytest.mark.parametrize(("body", "schema", "param"), [
+    ({"prompt": "x"}, CompletionRequest, "model"), ({"model": "m"}, CompletionRequest, "prompt"),
+    ({"model": "m"}, ChatCompletionRequest, "messages"),
+    ({"model": "m", "messages": [{"content": "hi"}]}, ChatCompletionRequest, "messages"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}}, CompletionRequest, "stream_options"),
+])
+def test_a_missing_or_mistyped_field_is_named_in_param(body, schema, param):
+    with pytest.raises(ProtocolError) as err:
+        decode_request(msgspec.json.encode(body), schema)
+    assert err.value.param == param
