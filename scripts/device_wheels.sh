@@ -2,9 +2,9 @@
 # Wheels for a lent GPU machine (Python 3.12, torch, Triton and transformers already there, no
 # package index): msgspec for the engine, and for the Ray steps of scripts/gpu_check.sh a Ray
 # wheel without its Java jars, dashboard client and libraries specmoe does not import (79 -> 42
-# MB, so it fits the 64 MiB a call may carry) plus the Ray core and OpenTelemetry dependencies
-# that machine lacks. Writes .whl/ (git-ignored through .git/info/exclude). Ray Serve's web stack
-# (fastapi, uvicorn, pydantic, ...) does not fit as well, so tests/gpu/test_http_cuda.py stays out.
+# MB) plus the Ray core, Ray Serve and OpenTelemetry dependencies that machine lacks: ~47 MB, which
+# with the repository (~18 MB) just fits the 64 MiB a call may carry. Writes .whl/ (git-ignored
+# through .git/info/exclude).
 #
 #   scripts/device_wheels.sh && grep -qxF /.whl/ .git/info/exclude || echo /.whl/ >> .git/info/exclude
 #   then, on the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -25,6 +25,11 @@ download "$OUT" msgspec==0.23.0 jsonschema==4.26.0 jsonschema-specifications==20
     opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-proto==1.45.2 \
     opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
     googleapis-common-protos==1.76.0
+# Ray Serve's web stack (the HTTP test of the GPU tier; tried with Python 3.12 here: a Serve app answered)
+download "$OUT" fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+    annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 aiohttp-cors==0.8.1 colorful==0.5.8 \
+    opencensus==0.11.4 opencensus-context==0.1.3 google-api-core==2.44.0 smart-open==9.0.4 watchfiles==1.3.0 \
+    grpcio-reflection==1.85.1
 download "$tmp" "ray==$RAY"
 (cd "$tmp" && unzip -q ray-*.whl && rm ray-*.whl \
     && rm -rf ray/jars ray/dashboard/client ray/rllib ray/data ray/llm ray/tune/examples ray/train/examples \

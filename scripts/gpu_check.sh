@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The device checks in one call, each step under its own time limit: the GPU test tier (without
-# the HTTP test, which needs Ray Serve's web stack), the kernel benchmark, the engine on CUDA with
-# Mixtral-shaped random weights against transformers, expert offload from pinned host memory at
-# that size, and one MoE layer's hop to expert actors holding those weights on the GPU. Logs go to
-# $OUT (default runs/gpu); each step's tail is printed.
+# The device checks in one call, each step under its own time limit: the GPU test tier, the kernel
+# benchmark, the engine on CUDA with Mixtral-shaped random weights against transformers, expert
+# offload from pinned host memory at that size, and one MoE layer's hop to expert actors holding
+# those weights on the GPU. Logs go to $OUT (default runs/gpu); each step's tail is printed.
 #
 #   PY=python3 OUT=/tmp/gpu scripts/gpu_check.sh
 #
@@ -32,8 +31,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log to $OUT/NAME.log
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
-step gpu_tier "${GPU_TIER_S:-200}" $PY -m pytest -q -m gpu tests/gpu --ignore=tests/gpu/test_http_cuda.py \
-    -p no:cacheprovider --timeout=150
+step gpu_tier "${GPU_TIER_S:-200}" $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout=150
 step kernels "${KERNELS_S:-60}" $PY benchmarks/kernels.py --quick
 step engine_cuda "${ENGINE_S:-240}" $PY benchmarks/engine_cuda.py --checkpoint-dir "$CKPT" \
     --configs "${CONFIGS:-plain,ngram k=4,plain compiled}" --save-result "$OUT/engine_cuda.json"
