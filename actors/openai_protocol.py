@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -31,8 +31,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,), "prompt_logprobs": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
 }
-# Fields a client may send as null for "the default" (OpenAI's schema marks them nullable).
-NULL_MEANS_DEFAULT = {"n": 1, "stream": False, "ignore_eos": False, "priority": 0}
 
 
 class ProtocolError(ValueError):
@@ -98,8 +96,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
 
+    # Fields a client may send as null for "the default" (OpenAI's schema marks them nullable).
+    null_means_default: ClassVar[dict[str, object]] = {"n": 1, "stream": False, "ignore_eos": False, "priority": 0}
+
     def __post_init__(self) -> None:
-        for name, default in NULL_MEANS_DEFAULT.items():
+        for name, default in self.null_means_default.items():
             if getattr(self, name) is None:
                 setattr(self, name, default)
 
@@ -195,11 +196,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.logprobs is None:
-            self.logprobs = False
+    null_means_default: ClassVar[dict[str, object]] = {**_Sampling.null_means_default, "logprobs": False}
 
     def validate(self) -> None:
         if self.max_completion_tokens is not None:

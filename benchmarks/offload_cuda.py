@@ -35,8 +35,8 @@ from engine.checkpoint import CheckpointReader  # noqa: E402
 from engine.config import load_model_config  # noqa: E402
 from engine.expert_offload import OffloadedExpertStore  # noqa: E402
 from engine.model import ExpertStore  # noqa: E402
-from engine.model.moe import dispatch  # noqa: E402
-from engine.model.names import router_name  # noqa: E402
+from engine.model.moe import dispatch, expert_entry_bytes  # noqa: E402
+from engine.model.names import expert_names, router_name  # noqa: E402
 from kernels.routing import topk_routing  # noqa: E402
 
 
@@ -73,10 +73,10 @@ def run_passes(store, steps: list[list[tuple]], device: str, hints: bool) -> tup
     return statistics.median(times), outputs
 
 
-def transfer_gb_per_s(store: OffloadedExpertStore, loads: int, device: str) -> float:
-    """Checkpoint GB per second of one entry's load into slot 0 (the tier's own copy)."""
+def transfer_gb_per_s(store: OffloadedExpertStore, entry_bytes: int, loads: int, device: str) -> float:
+    """GB per second of ``entry_bytes`` (one entry in the checkpoint's dtype) over the tier's own
+    load of an entry into slot 0 (whatever was resident there is overwritten: measure last)."""
     layer = store.config.moe.sparse_layers[0]
-    nbytes = sum(t.numel() * t.element_size() for t in _host_tensors(store, layer))
     seconds = []
     for i in range(loads):
         dst = [p[0] for p in store.pool]
@@ -87,14 +87,7 @@ def transfer_gb_per_s(store: OffloadedExpertStore, loads: int, device: str) -> f
             event.synchronize()
         sync(device)
         seconds.append(time.perf_counter() - start)
-    return nbytes / statistics.median(seconds) / 1e9
-
-
-def _host_tensors(store: OffloadedExpertStore, layer: int) -> list[torch.Tensor]:
-    host = getattr(store.tier, "host", None)
-    if host is not None:
-        return host[(layer, store.expert_ids[0])]
-    return [torch.empty(p.shape[1:], dtype=torch.bfloat16) for p in store.pool]  # spill file: bf16 bytes
+    return entry_bytes / statistics.median(seconds) / 1e9
 
 
 def main() -> None:
@@ -111,6 +104,8 @@ def main() -> None:
     config, reader = load_model_config(args.checkpoint), CheckpointReader(args.checkpoint)
     experts = range(config.moe.num_experts)
     half = config.moe.num_experts * len(config.moe.sparse_layers) // 2
+    first = reader.get(expert_names(config, config.moe.sparse_layers[0], 0)[0])
+    entry_bytes = expert_entry_bytes(config, first.dtype)  # in the checkpoint's dtype
     steps = routed_steps(args.checkpoint, args.steps, args.tokens, dtype, args.device)
     resident = ExpertStore(reader, config, dtype=dtype, device=args.device)
     rows, want = [], None
@@ -126,7 +121,7 @@ def main() -> None:
         if isinstance(store, OffloadedExpertStore):
             stats = store.snapshot()
             row["hit_rate"] = stats["hits"] / max(1, stats["hits"] + stats["misses"])
-            row["transfer_gb_per_s"] = transfer_gb_per_s(store, args.loads, args.device)
+            row["transfer_gb_per_s"] = transfer_gb_per_s(store, entry_bytes, args.loads, args.device)
             store.close()
         rows.append(row)
         print_table(rows[-1:], list(rows[-1]))

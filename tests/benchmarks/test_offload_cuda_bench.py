@@ -27,7 +27,7 @@ def test_offloaded_passes_equal_the_resident_ones_and_hints_count_as_prefetches(
         assert len(got) == len(want) == 3 * len(config.moe.sparse_layers)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert store.snapshot()["prefetches"] > 0
-        rate = bench.transfer_gb_per_s(store, loads=2, device="cpu")
+        rate = bench.transfer_gb_per_s(store, store.entry_bytes, loads=2, device="cpu")
         assert rate > 0
     finally:
         store.close()
