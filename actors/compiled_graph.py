@@ -252,7 +252,7 @@ class ActorGraph:
         """Compile over the current members, warm up, then publish (unless closed meanwhile)."""
         from ray.dag import InputNode, MultiOutputNode
 
-        dag = None
+        dag, proxy = None, _shared_driver_proxy()
         try:
             for t in self._teardowns:  # an actor must leave its old graph before joining a new one
                 t.join(timeout=max(60.0, self.timeout_s))
@@ -263,7 +263,7 @@ class ActorGraph:
             with InputNode() as request:
                 node = MultiOutputNode([getattr(a.handle, method).bind(request, i) for i, a in enumerate(actors)])
             dag = node.experimental_compile(_buffer_size_bytes=self.buffer_size_bytes)
-            # The first execution starts every actor's loop (~2 s here); nobody waits for it.
+            # The first execution starts every actor's loop; nobody waits for it.
             ray.get(dag.execute(self._warmup(len(actors))), timeout=max(60.0, self.timeout_s))
             with self._lock:
                 if not self._closed:
@@ -272,6 +272,8 @@ class ActorGraph:
                     self.stats.builds += 1
         except Exception as e:
             self.stats.build_failures += 1
+            if proxy is not None:
+                proxy.forget()
             log.warning("building the compiled %s graph failed (%s: %s); using actor calls",
                         self.name, type(e).__name__, e)
         finally:
@@ -322,6 +324,55 @@ class ActorGraph:
             _teardown(dag)
         for t in self._teardowns:  # a rebuild's teardown still running would outlive Ray's shutdown
             t.join(timeout=max(10.0, self.timeout_s))
+
+
+class _SharedDriverProxy:
+    """Stands in for ``CompiledDAG.DAGDriverProxyActor`` so that every graph this process
+    compiles on one node shares one driver proxy actor.
+
+    Ray 2.60 creates that (empty) actor at each compile, as the driver's identity as a reader of
+    the output channels, and lets it die with the graph. A new actor is a worker process starting
+    up: ~0.5 s of CPU (measured on the 2-core VM during a straggler's graph rebuild, 2026-12-04),
+    which a rebuild then takes from the requests being served. One proxy per process is enough:
+    it holds no state, and one proxy already reads every output channel of a graph. The options
+    Ray passes name the driver's node, so a new Ray session (another node id) gets a new proxy.
+    """
+
+    def __init__(self, actor_class) -> None:
+        self.actor_class = actor_class
+        self._lock = threading.Lock()
+        self._options: dict = {}
+        self._key: str | None = None
+        self._handle = None
+
+    def options(self, **options) -> _SharedDriverProxy:
+        with self._lock:
+            self._options = options
+        return self
+
+    def remote(self):
+        with self._lock:
+            key = repr(sorted(self._options.items()))
+            if self._handle is None or key != self._key:
+                self._handle, self._key = self.actor_class.options(**self._options).remote(), key
+            return self._handle
+
+    def forget(self) -> None:
+        """Create a fresh proxy at the next compile (after a failed build: the proxy may be gone)."""
+        with self._lock:
+            self._handle = None
+
+
+def _shared_driver_proxy() -> _SharedDriverProxy | None:
+    """Install :class:`_SharedDriverProxy` in Ray's ``CompiledDAG`` once (None where this Ray has
+    no such class: it then compiles as it comes)."""
+    from ray.dag.compiled_dag_node import CompiledDAG
+
+    current = getattr(CompiledDAG, "DAGDriverProxyActor", None)
+    if current is None or isinstance(current, _SharedDriverProxy):
+        return current
+    CompiledDAG.DAGDriverProxyActor = _SharedDriverProxy(current)
+    return CompiledDAG.DAGDriverProxyActor
 
 
 def _teardown(dag) -> None:

@@ -74,6 +74,8 @@ class ExpertRouter:
         self._hint: tuple[int, list[int]] | None = None
         self.overlap = pool.config.two_batch_overlap
         self._actor_free_s: dict[int, float] = {}  # when each actor finished our latest call (wall s)
+        self._graph_latency_ms: dict[int, deque] = {}  # each actor's last call latencies in the live graph
+        self._graph_builds_seen = 0  # graph.stats.builds when _graph_latency_ms was started
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         """The model's prediction for the next MoE layer: sent with this layer's calls (offload)."""
@@ -142,6 +144,11 @@ class ExpertRouter:
             error = None
             try:
                 results = self._wait_graph(calls, execution) if execution is not None else None
+                if results is not None and self._graph_straggler(members) is not None:
+                    # Replaced at once, not once no execution is out: an execution still out
+                    # (the other micro-batch's) queues behind the straggler; dropping the graph
+                    # sends it by actor calls now (its wait returns None).
+                    self.graph.rebuild()
                 if results is None and members and calls:
                     self._abandon(calls)
                 if results is None:
@@ -172,17 +179,8 @@ class ExpertRouter:
                 log.warning("expert rebalancing failed", exc_info=True)
         if self.graph is None or not self.graph.live:
             return
-        members = self.graph.members
         stale = self._graph_version != self.pool.version
-        own = [m for m in members if m.host is None]
-        # A member is replaced only if it straggles both against its group's replica outside the
-        # graph (measured by probes, on an idle actor) and against the other members (measured
-        # under the same load): machine-wide slowness alone must not make the graph thrash.
-        slow = any(is_avoided(m, [r for r in self.pool.alive(m.group) if r.host is None and r not in members],
-                              self.pool.config)
-                   and is_avoided(m, [x for x in own if x is not m], self.pool.config, against="median")
-                   for m in own)
-        if stale or slow:
+        if stale:
             self.graph.rebuild()  # this and the next layers go by actor calls until it is live again
 
     def _live_members(self) -> list[Replica] | None:
@@ -285,16 +283,46 @@ class ExpertRouter:
         for c in calls:
             result, timing = results[index[id(c.replica)]]
             free_s = self._actor_free_s.get(id(c.replica), 0.0)
-            record_answer(c.record, c.replica, timing, max(c.record.sent_s, free_s))
+            own_ms = record_answer(c.record, c.replica, timing, max(c.record.sent_s, free_s))
+            self._graph_samples().setdefault(id(c.replica.stats), deque(maxlen=2)).append(own_ms)
             self._actor_free_s[id(c.replica)] = c.record.done_s
             out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
 
     def _abandon(self, calls: list[Call]) -> None:
-        """The graph failed under these calls: their attempts end, actor calls go next."""
+        """The graph failed or was dropped under these calls: their attempts end, and actor calls
+        go next to each group's best replica now (the planned member may be the straggler or the
+        dead actor that ended the graph)."""
         for c in calls:
-            self.telemetry.abandon_call(c.record, "compiled graph failed")
-            c.record.attempts = 0
+            self.telemetry.abandon_call(c.record, "compiled graph failed or replaced")
+            c.record.attempts, c.replica = 0, None
+
+    def _graph_straggler(self, members: list[Replica]) -> Replica | None:
+        """A member of the live graph to replace: in each of its last two executions of *this*
+        graph it was slower than the straggler rule allows against the median of the other
+        members' latest (the same executions, under the same load: machine-wide slowness alone
+        flags nobody, one scheduling hiccup neither, and views from before this graph, e.g. of
+        actor calls during its build, do not count), and a replica of its group outside the graph
+        is never measured or faster by the same rule."""
+        samples, cfg = self._graph_samples(), self.pool.config
+        own = [m for m in members if m.host is None]
+        for m in own:
+            mine = samples.get(id(m.stats), ())
+            others = sorted(samples[id(x.stats)][-1] for x in own if x is not m and id(x.stats) in samples)
+            if len(mine) < 2 or not others or min(mine) <= max(cfg.straggler_floor_ms,
+                                                               cfg.straggler_multiple * others[len(others) // 2]):
+                continue
+            outside = [r for r in self.pool.alive(m.group) if r.host is None and not any(r is x for x in members)]
+            if any(not r.stats.ewma_latency_ms or is_avoided(m, [r], cfg) for r in outside):
+                return m
+        return None
+
+    def _graph_samples(self) -> dict[int, deque]:
+        """Each actor's last two call latencies (ms) in the live graph, by ``id(stats)``; empty
+        for a graph built since (no evidence about it yet)."""
+        if self._graph_builds_seen != self.graph.stats.builds:
+            self._graph_builds_seen, self._graph_latency_ms = self.graph.stats.builds, {}
+        return self._graph_latency_ms
 
     def _graph_members(self) -> tuple[list[Replica], str]:
         """The fastest live replica of every group, then every usable guest (its host's actor is
