@@ -53,14 +53,15 @@ def run_batch(llm, router, prompts: list[list[int]], max_tokens: int) -> dict:
     from engine.sampling_params import SamplingParams
 
     llm.engine.target.model.experts = router
-    first, graph0, calls0 = len(router.actor_imbalance), router.num_graph_layers, router.num_call_layers
+    router.actor_imbalance.clear()  # a bounded deque: once full, its length no longer counts dispatches
+    graph0, calls0 = router.num_graph_layers, router.num_call_layers
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     elapsed_s = time.perf_counter() - start
-    ratios = list(router.actor_imbalance)[first:]
+    ratios = list(router.actor_imbalance)
     layers = router.num_graph_layers - graph0 + router.num_call_layers - calls0
     return {"tokens": [o.outputs[0].token_ids for o in outs], "tok_s": len(prompts) * max_tokens / elapsed_s,
-            "imbalance_mean": statistics.fmean(ratios), "imbalance_max": max(ratios),
+            "imbalance_first": ratios[0], "imbalance_mean": statistics.fmean(ratios), "imbalance_max": max(ratios),
             "graph_share": (router.num_graph_layers - graph0) / max(1, layers)}
 
 
@@ -105,9 +106,10 @@ def main() -> None:
         while time.monotonic() - start < args.warmup_timeout_s:  # until the replicas stop changing
             r = run_batch(llm, on, prompts, args.max_tokens)
             if not warm:
-                first = on.actor_imbalance[0]  # the first dispatch, before any replica was added
+                first = r["imbalance_first"]  # the first dispatch, before any replica was added
             warm.append({"t_s": round(time.monotonic() - start, 1), "replicas": replicas(on),
-                         "imbalance_mean": r["imbalance_mean"], "graph_share": r["graph_share"]})
+                         "imbalance_mean": r["imbalance_mean"], "graph_share": r["graph_share"],
+                         "graph_rebuilds": on.graph.stats.rebuilds})
             print("warm-up", warm[-1], flush=True)
             if replicas(on) != last:
                 last, stable_since = replicas(on), time.monotonic()
