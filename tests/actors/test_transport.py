@@ -125,6 +125,23 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
 
 
+def test_a_rebuilt_graph_shares_the_driver_proxy_actor_of_the_first(graph_router):
+    """Ray creates a driver proxy actor at each compile (a worker process starting up, ~0.5 CPU s
+    on a 2-core machine); every graph of a process shares one (actors/compiled_graph.py)."""
+    router = graph_router
+    _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+
+    def proxy_pid() -> int:
+        return ray.get(router.graph._dag._proxy_actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+    before = proxy_pid()
+    router.graph.rebuild()
+    _wait(lambda: router.graph.live, 120, "the rebuilt graph")
+    assert router.graph.stats.builds == 2 and proxy_pid() == before
+    hidden, routing = _layer_inputs(5, seed=6)
+    torch.testing.assert_close(router.execute(1, hidden, routing), _expected(1, hidden, routing), rtol=1e-6, atol=1e-6)
+
+
 def test_an_idle_graph_is_parked_and_woken_by_the_next_layer_without_a_rebuild(served):
     config = ExpertPoolConfig(experts_per_actor=3, graph_idle_park_s=0.5, graph_build_after_s=0.4)
     pool = ExpertPool(TARGET, 8, config, prefix=f"test-idle-{os.getpid()}", detached=False)
