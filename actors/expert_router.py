@@ -121,6 +121,9 @@ class ExpertRouter:
         """:meth:`run_layer` up to the graph's submission; the returned function finishes it."""
         w = weights.detach().to("cpu", torch.float32)  # explicit host copy: the wire boundary
         hint, self._hint = self._hint, None
+        # Every dispatch, executions out or not: a probe's answer is what lets a straggling
+        # graph member be replaced (with two-batch overlap an execution is nearly always out).
+        self.actor_calls.losers.reap()
         if self.graph is None or not self.graph.inflight:  # rebuilds and rebalancing wait until none is out
             self._between_dispatches()
         members = self._live_members()
@@ -144,6 +147,8 @@ class ExpertRouter:
             error = None
             try:
                 results = self._wait_graph(calls, execution) if execution is not None else None
+                if results is not None:
+                    self.actor_calls.losers.reap()  # probes of the replicas outside, answered meanwhile
                 if results is not None and self._graph_straggler(members) is not None:
                     # Replaced at once, not once no execution is out: an execution still out
                     # (the other micro-batch's) queues behind the straggler; dropping the graph
@@ -170,8 +175,7 @@ class ExpertRouter:
         return finish
 
     def _between_dispatches(self) -> None:
-        """Reap ended losers and probes, let the rebalancer act, rebuild a stale graph."""
-        self.actor_calls.losers.reap()
+        """Let the rebalancer act, rebuild a stale graph."""
         if self.rebalancer is not None:
             try:
                 self.rebalancer.step()
