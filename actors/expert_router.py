@@ -233,18 +233,21 @@ class ExpertRouter:
     def _probe(self, layer: int, calls: list[Call], members: list[Replica] | None) -> None:
         """Send a copy of one call of each group to every usable replica due a probe (its result
         is never waited for; it ends as a probe in :class:`Losers`). A group whose graph member
-        straggled this layer (the straggler rule against the layer's median) has its replicas
-        outside the graph probed at once, so the next layer can rebuild the graph without it."""
+        straggled this layer (the straggler rule against the median of the other groups' calls:
+        with two groups a median over all calls would be the straggler's own latency) has its
+        replicas outside the graph probed at once, so that a fresh view of them lets the graph
+        be rebuilt without it."""
         now, cfg = time.monotonic(), self.pool.config
         first: dict[int, Call] = {}
         chosen: dict[int, list[Replica]] = {}
         for c in calls:
             first.setdefault(c.record.group, c)
             chosen.setdefault(c.record.group, []).append(c.replica)
-        latencies = sorted(c.record.latency_ms for c in calls)
-        bound_ms = max(cfg.straggler_floor_ms, cfg.straggler_multiple * latencies[len(latencies) // 2]) if calls else 0
         for g, c in first.items():
-            straggled = members is not None and any(x.record.latency_ms > bound_ms for x in calls if x.record.group == g)
+            others = sorted(x.record.latency_ms for x in calls if x.record.group != g)
+            straggled = members is not None and bool(others) and any(
+                x.record.latency_ms > max(cfg.straggler_floor_ms, cfg.straggler_multiple * others[len(others) // 2])
+                for x in calls if x.record.group == g)
             for r in self.pool.alive(g):
                 outside = members is not None and not any(r is m for m in members)
                 interval_s = 0.0 if straggled and outside else cfg.probe_interval_s

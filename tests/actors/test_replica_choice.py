@@ -228,6 +228,23 @@ def test_a_straggler_found_sends_the_execution_still_out_by_actor_calls(fake_ray
     assert router.graph.members[1] is other
 
 
+def test_a_straggling_member_has_its_groups_outside_replica_probed_at_once(fake_ray):
+    """Two groups: the straggler rule is judged against the other group's call, not a median
+    that includes the straggler's own latency (with two calls, that median is the straggler)."""
+    router = _router(**dict(CHOICE, straggler_floor_ms=50.0, probe_interval_s=60.0))
+    router.graph = FakeGraph(router._graph_members)
+    rows, weights, counts = _rows(seed=7)
+    for _ in range(2):  # built, then one execution (and the outside replicas' first probes)
+        router.run_layer(LAYER, rows, weights, counts)
+    slow = router.graph.members[1]
+    other = next(r for r in router.pool.replicas[1] if r is not slow)
+    router.actor_calls.losers.reap()
+    before = _forwards(other)
+    slow.handle.set_delay_ms.remote(300.0)
+    router.run_layer(LAYER, rows, weights, counts)
+    assert _forwards(other) == before + 1  # probed in the layer its group's member straggled, not 60 s on
+
+
 def test_machine_wide_slowness_replaces_no_member(fake_ray):
     """Every member equally slow in the same execution (a loaded machine): no member straggles
     against the others, so the graph stays, whatever the idle replicas outside it measure."""
