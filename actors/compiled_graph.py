@@ -97,6 +97,8 @@ class ActorGraph:
         self._teardowns: list[threading.Thread] = []
         self._last_used = time.monotonic()
         self._wanted_since: float | None = None  # start of the current run of requests without a graph
+        self._proxy = None  # the driver proxy actor every build of this graph reuses (_DriverProxies)
+        self._proxy_key: str | None = None
         self._janitor = threading.Thread(target=self._janitor_loop, name=f"{name}-graph-janitor", daemon=True)
         self._janitor.start()
 
@@ -252,7 +254,7 @@ class ActorGraph:
         """Compile over the current members, warm up, then publish (unless closed meanwhile)."""
         from ray.dag import InputNode, MultiOutputNode
 
-        dag, proxy = None, _shared_driver_proxy()
+        dag, proxies = None, _driver_proxies()
         try:
             for t in self._teardowns:  # an actor must leave its old graph before joining a new one
                 t.join(timeout=max(60.0, self.timeout_s))
@@ -262,7 +264,13 @@ class ActorGraph:
             actors, method = self._members()
             with InputNode() as request:
                 node = MultiOutputNode([getattr(a.handle, method).bind(request, i) for i, a in enumerate(actors)])
-            dag = node.experimental_compile(_buffer_size_bytes=self.buffer_size_bytes)
+            if proxies is not None:
+                proxies.building.graph = self
+            try:
+                dag = node.experimental_compile(_buffer_size_bytes=self.buffer_size_bytes)
+            finally:
+                if proxies is not None:
+                    proxies.building.graph = None
             # The first execution starts every actor's loop; nobody waits for it.
             ray.get(dag.execute(self._warmup(len(actors))), timeout=max(60.0, self.timeout_s))
             with self._lock:
@@ -272,8 +280,7 @@ class ActorGraph:
                     self.stats.builds += 1
         except Exception as e:
             self.stats.build_failures += 1
-            if proxy is not None:
-                proxy.forget()
+            self._proxy = None  # it may be what failed: the next build makes a new one
             log.warning("building the compiled %s graph failed (%s: %s); using actor calls",
                         self.name, type(e).__name__, e)
         finally:
@@ -326,52 +333,53 @@ class ActorGraph:
             t.join(timeout=max(10.0, self.timeout_s))
 
 
-class _SharedDriverProxy:
-    """Stands in for ``CompiledDAG.DAGDriverProxyActor`` so that every graph this process
-    compiles on one node shares one driver proxy actor.
+class _DriverProxies:
+    """Stands in for ``CompiledDAG.DAGDriverProxyActor`` so that every build of one
+    :class:`ActorGraph` reuses the driver proxy actor of its first build.
 
     Ray 2.60 creates that (empty) actor at each compile, as the driver's identity as a reader of
     the output channels, and lets it die with the graph. A new actor is a worker process starting
     up: ~0.5 s of CPU (measured on the 2-core VM during a straggler's graph rebuild, 2026-12-04),
-    which a rebuild then takes from the requests being served. One proxy per process is enough:
-    it holds no state, and one proxy already reads every output channel of a graph. The options
-    Ray passes name the driver's node, so a new Ray session (another node id) gets a new proxy.
+    which a rebuild then takes from the requests being served. A rebuild compiles only after the
+    previous graph's teardown has ended, so its proxy is free again. Two graphs live at the same
+    time must not share one (a teardown closes the channels its proxy reads: sharing the expert
+    graph's proxy with the draft graph lost the draft's answers after an expert rebuild). A compile
+    outside :meth:`ActorGraph._build` (no graph on this thread) gets a new actor, as Ray's own.
+    The options Ray passes name the driver's node, so a new Ray session gets a new proxy.
     """
 
     def __init__(self, actor_class) -> None:
         self.actor_class = actor_class
-        self._lock = threading.Lock()
-        self._options: dict = {}
-        self._key: str | None = None
-        self._handle = None
+        self.building = threading.local()  # .graph: the ActorGraph compiling on this thread
 
-    def options(self, **options) -> _SharedDriverProxy:
-        with self._lock:
-            self._options = options
-        return self
+    def options(self, **options) -> _ProxyRequest:
+        return _ProxyRequest(self, options)
+
+
+class _ProxyRequest:
+    def __init__(self, proxies: _DriverProxies, options: dict) -> None:
+        self.proxies, self.options = proxies, options
 
     def remote(self):
-        with self._lock:
-            key = repr(sorted(self._options.items()))
-            if self._handle is None or key != self._key:
-                self._handle, self._key = self.actor_class.options(**self._options).remote(), key
-            return self._handle
-
-    def forget(self) -> None:
-        """Create a fresh proxy at the next compile (after a failed build: the proxy may be gone)."""
-        with self._lock:
-            self._handle = None
+        graph = getattr(self.proxies.building, "graph", None)
+        key = repr(sorted(self.options.items()))
+        if graph is not None and graph._proxy is not None and graph._proxy_key == key:
+            return graph._proxy
+        handle = self.proxies.actor_class.options(**self.options).remote()
+        if graph is not None:
+            graph._proxy, graph._proxy_key = handle, key
+        return handle
 
 
-def _shared_driver_proxy() -> _SharedDriverProxy | None:
-    """Install :class:`_SharedDriverProxy` in Ray's ``CompiledDAG`` once (None where this Ray has
-    no such class: it then compiles as it comes)."""
+def _driver_proxies() -> _DriverProxies | None:
+    """Install :class:`_DriverProxies` in Ray's ``CompiledDAG`` once (None where this Ray has no
+    such class: it then compiles as it comes)."""
     from ray.dag.compiled_dag_node import CompiledDAG
 
     current = getattr(CompiledDAG, "DAGDriverProxyActor", None)
-    if current is None or isinstance(current, _SharedDriverProxy):
+    if current is None or isinstance(current, _DriverProxies):
         return current
-    CompiledDAG.DAGDriverProxyActor = _SharedDriverProxy(current)
+    CompiledDAG.DAGDriverProxyActor = _DriverProxies(current)
     return CompiledDAG.DAGDriverProxyActor
 
 

@@ -16,6 +16,7 @@ from actors.config import ExpertPoolConfig
 from actors.draft_server import DraftActorSpec, RemoteDrafter
 from actors.expert_pool import ExpertPool
 from actors.expert_router import ExpertRouter
+from actors.graph_park import GraphParking
 from engine import SamplingParams
 from engine.checkpoint import CheckpointReader
 from engine.config import load_model_config
@@ -125,21 +126,43 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
 
 
-def test_a_rebuilt_graph_shares_the_driver_proxy_actor_of_the_first(graph_router):
+@ray.remote(num_cpus=0, max_concurrency=2)
+class _Echo(GraphParking):
+    """The smallest graph member: answers its part of a request."""
+
+    def forward_graph(self, request, index: int):
+        return None if self._parked(request) or request is None else request[index]
+
+
+def test_each_graph_keeps_one_driver_proxy_actor_across_rebuilds(served):
     """Ray creates a driver proxy actor at each compile (a worker process starting up, ~0.5 CPU s
-    on a 2-core machine); every graph of a process shares one (actors/compiled_graph.py)."""
-    router = graph_router
-    _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+    on a 2-core machine). A rebuild of a graph reuses the one of its first build; two graphs live
+    at once have their own (a teardown closes the channels its proxy reads)."""
+    from types import SimpleNamespace
 
-    def proxy_pid() -> int:
-        return ray.get(router.graph._dag._proxy_actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    from actors.compiled_graph import ActorGraph
 
-    before = proxy_pid()
-    router.graph.rebuild()
-    _wait(lambda: router.graph.live, 120, "the rebuilt graph")
-    assert router.graph.stats.builds == 2 and proxy_pid() == before
-    hidden, routing = _layer_inputs(5, seed=6)
-    torch.testing.assert_close(router.execute(1, hidden, routing), _expected(1, hidden, routing), rtol=1e-6, atol=1e-6)
+    graphs = []
+    for _ in range(2):
+        member = SimpleNamespace(handle=_Echo.remote())
+        graphs.append(ActorGraph("proxy-test", lambda m=member: ([m], "forward_graph"), lambda n: None,
+                                 timeout_s=30.0, idle_park_s=60.0, buffer_size_bytes=1 << 20))
+
+    def proxy_pid(graph) -> int:
+        return ray.get(graph._dag._proxy_actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+    try:
+        for g in graphs:
+            _wait(lambda g=g: g.live, 120, "a compiled graph", poke=g.request_build)
+        first = [proxy_pid(g) for g in graphs]
+        assert first[0] != first[1]
+        graphs[0].rebuild()
+        _wait(lambda: graphs[0].live, 120, "the rebuilt graph")
+        assert graphs[0].stats.builds == 2 and proxy_pid(graphs[0]) == first[0]
+        assert graphs[0].execute(("a",)) == ["a"] and graphs[1].execute(("b",)) == ["b"]
+    finally:
+        for g in graphs:
+            g.close()
 
 
 def test_an_idle_graph_is_parked_and_woken_by_the_next_layer_without_a_rebuild(served):
