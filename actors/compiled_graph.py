@@ -32,6 +32,7 @@ from typing import Any
 import ray
 
 from actors.graph_park import PARK
+from actors.graph_proxy import driver_proxies
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,6 @@ class ActorGraph:
         self._teardowns: list[threading.Thread] = []
         self._last_used = time.monotonic()
         self._wanted_since: float | None = None  # start of the current run of requests without a graph
-        self._proxy = None  # the driver proxy actor every build of this graph reuses (_DriverProxies)
-        self._proxy_key: str | None = None
         self._janitor = threading.Thread(target=self._janitor_loop, name=f"{name}-graph-janitor", daemon=True)
         self._janitor.start()
 
@@ -254,7 +253,7 @@ class ActorGraph:
         """Compile over the current members, warm up, then publish (unless closed meanwhile)."""
         from ray.dag import InputNode, MultiOutputNode
 
-        dag, proxies = None, _driver_proxies()
+        dag, proxies = None, driver_proxies()
         try:
             for t in self._teardowns:  # an actor must leave its old graph before joining a new one
                 t.join(timeout=max(60.0, self.timeout_s))
@@ -280,7 +279,8 @@ class ActorGraph:
                     self.stats.builds += 1
         except Exception as e:
             self.stats.build_failures += 1
-            self._proxy = None  # it may be what failed: the next build makes a new one
+            if proxies is not None:
+                proxies.forget(self)
             log.warning("building the compiled %s graph failed (%s: %s); using actor calls",
                         self.name, type(e).__name__, e)
         finally:
@@ -331,56 +331,6 @@ class ActorGraph:
             _teardown(dag)
         for t in self._teardowns:  # a rebuild's teardown still running would outlive Ray's shutdown
             t.join(timeout=max(10.0, self.timeout_s))
-
-
-class _DriverProxies:
-    """Stands in for ``CompiledDAG.DAGDriverProxyActor`` so that every build of one
-    :class:`ActorGraph` reuses the driver proxy actor of its first build.
-
-    Ray 2.60 creates that (empty) actor at each compile, as the driver's identity as a reader of
-    the output channels, and lets it die with the graph. A new actor is a worker process starting
-    up: ~0.5 s of CPU (measured on the 2-core VM during a straggler's graph rebuild, 2026-12-04),
-    which a rebuild then takes from the requests being served. A rebuild compiles only after the
-    previous graph's teardown has ended, so its proxy is free again. Two graphs live at the same
-    time must not share one (a teardown closes the channels its proxy reads: sharing the expert
-    graph's proxy with the draft graph lost the draft's answers after an expert rebuild). A compile
-    outside :meth:`ActorGraph._build` (no graph on this thread) gets a new actor, as Ray's own.
-    The options Ray passes name the driver's node, so a new Ray session gets a new proxy.
-    """
-
-    def __init__(self, actor_class) -> None:
-        self.actor_class = actor_class
-        self.building = threading.local()  # .graph: the ActorGraph compiling on this thread
-
-    def options(self, **options) -> _ProxyRequest:
-        return _ProxyRequest(self, options)
-
-
-class _ProxyRequest:
-    def __init__(self, proxies: _DriverProxies, options: dict) -> None:
-        self.proxies, self.options = proxies, options
-
-    def remote(self):
-        graph = getattr(self.proxies.building, "graph", None)
-        key = repr(sorted(self.options.items()))
-        if graph is not None and graph._proxy is not None and graph._proxy_key == key:
-            return graph._proxy
-        handle = self.proxies.actor_class.options(**self.options).remote()
-        if graph is not None:
-            graph._proxy, graph._proxy_key = handle, key
-        return handle
-
-
-def _driver_proxies() -> _DriverProxies | None:
-    """Install :class:`_DriverProxies` in Ray's ``CompiledDAG`` once (None where this Ray has no
-    such class: it then compiles as it comes)."""
-    from ray.dag.compiled_dag_node import CompiledDAG
-
-    current = getattr(CompiledDAG, "DAGDriverProxyActor", None)
-    if current is None or isinstance(current, _DriverProxies):
-        return current
-    CompiledDAG.DAGDriverProxyActor = _DriverProxies(current)
-    return CompiledDAG.DAGDriverProxyActor
 
 
 def _teardown(dag) -> None:
