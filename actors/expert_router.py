@@ -25,6 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from statistics import median_high
 from typing import Any
 
 import ray
@@ -34,7 +35,7 @@ from actors.actor_calls import ActorCalls
 from actors.compiled_graph import ActorGraph
 from actors.expert_calls import Call, CallRecord, NullTelemetry, record_answer
 from actors.expert_pool import ExpertPool, Replica
-from actors.replica_choice import choose, is_avoided, probe_due, split_counts
+from actors.replica_choice import choose, is_avoided, probe_due, split_counts, straggler_bound_ms
 from actors.replication import Rebalancer
 from actors.wire import from_bytes, to_bytes
 from engine.model.moe import combine, dispatch
@@ -244,10 +245,9 @@ class ExpertRouter:
             first.setdefault(c.record.group, c)
             chosen.setdefault(c.record.group, []).append(c.replica)
         for g, c in first.items():
-            others = sorted(x.record.latency_ms for x in calls if x.record.group != g)
+            others = [x.record.latency_ms for x in calls if x.record.group != g]
             straggled = members is not None and bool(others) and any(
-                x.record.latency_ms > max(cfg.straggler_floor_ms, cfg.straggler_multiple * others[len(others) // 2])
-                for x in calls if x.record.group == g)
+                x.record.latency_ms > straggler_bound_ms(cfg, median_high(others)) for x in calls if x.record.group == g)
             for r in self.pool.alive(g):
                 outside = members is not None and not any(r is m for m in members)
                 interval_s = 0.0 if straggled and outside else cfg.probe_interval_s
@@ -315,9 +315,8 @@ class ExpertRouter:
         own = [m for m in members if m.host is None]
         for m in own:
             mine = samples.get(id(m.stats), ())
-            others = sorted(samples[id(x.stats)][-1] for x in own if x is not m and id(x.stats) in samples)
-            if len(mine) < 2 or not others or min(mine) <= max(cfg.straggler_floor_ms,
-                                                               cfg.straggler_multiple * others[len(others) // 2]):
+            others = [samples[id(x.stats)][-1] for x in own if x is not m and id(x.stats) in samples]
+            if len(mine) < 2 or not others or min(mine) <= straggler_bound_ms(cfg, median_high(others)):
                 continue
             outside = [r for r in self.pool.alive(m.group) if r.host is None and not any(r is x for x in members)]
             if any(not r.stats.ewma_latency_ms or is_avoided(m, [r], cfg) for r in outside):

@@ -19,6 +19,12 @@ from collections.abc import Sequence
 from actors.expert_pool import Replica
 
 
+def straggler_bound_ms(config, reference_ms: float) -> float:
+    """The straggler rule: a latency above ``straggler_multiple`` x ``reference_ms`` (a best or a
+    median) and above ``straggler_floor_ms`` is a straggler's."""
+    return max(config.straggler_floor_ms, config.straggler_multiple * reference_ms)
+
+
 def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, int]) -> list[Replica]:
     """The replicas, best first, that take ``rows`` rows of one group.
 
@@ -31,7 +37,7 @@ def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, in
         return r.stats.expected_ms(planned.get(id(r.stats), 0))
 
     ranked = sorted(replicas, key=lambda r: (expected(r), r.outstanding_rows, r.index))
-    bound_ms = max(config.straggler_floor_ms, config.straggler_multiple * expected(ranked[0]))
+    bound_ms = straggler_bound_ms(config, expected(ranked[0]))
     fast = [r for r in ranked if expected(r) <= bound_ms]
     k = 1 if config.split_min_rows == 0 else max(1, min(len(fast), rows // config.split_min_rows))
     for r in fast[:k]:
@@ -39,14 +45,11 @@ def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, in
     return fast[:k]
 
 
-def is_avoided(replica: Replica, others: Sequence[Replica], config, against: str = "best") -> bool:
-    """Whether the straggler rule avoids ``replica`` against the best (or the median) of ``others``
-    that have a latency view (a replica never measured is no evidence)."""
-    expected = sorted(r.stats.expected_ms() for r in others if r.stats.ewma_latency_ms)
-    if not expected:
-        return False
-    ref = expected[0] if against == "best" else expected[len(expected) // 2]
-    return replica.stats.expected_ms() > max(config.straggler_floor_ms, config.straggler_multiple * ref)
+def is_avoided(replica: Replica, others: Sequence[Replica], config) -> bool:
+    """Whether the straggler rule avoids ``replica`` against the best of ``others`` that have a
+    latency view (a replica never measured is no evidence)."""
+    expected = [r.stats.expected_ms() for r in others if r.stats.ewma_latency_ms]
+    return bool(expected) and replica.stats.expected_ms() > straggler_bound_ms(config, min(expected))
 
 
 def split_counts(counts: Sequence[int], parts: int) -> list[tuple[list[int], int, int]]:
