@@ -31,8 +31,8 @@ from typing import Any
 
 import ray
 
+from actors import graph_proxy
 from actors.graph_park import PARK
-from actors.graph_proxy import driver_proxies
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class ActorGraph:
         """Compile over the current members, warm up, then publish (unless closed meanwhile)."""
         from ray.dag import InputNode, MultiOutputNode
 
-        dag, proxies = None, driver_proxies()
+        dag = None
         try:
             for t in self._teardowns:  # an actor must leave its old graph before joining a new one
                 t.join(timeout=max(60.0, self.timeout_s))
@@ -263,13 +263,8 @@ class ActorGraph:
             actors, method = self._members()
             with InputNode() as request:
                 node = MultiOutputNode([getattr(a.handle, method).bind(request, i) for i, a in enumerate(actors)])
-            if proxies is not None:
-                proxies.building.graph = self
-            try:
+            with graph_proxy.compiling(self):  # the driver proxy actor of this graph's earlier builds
                 dag = node.experimental_compile(_buffer_size_bytes=self.buffer_size_bytes)
-            finally:
-                if proxies is not None:
-                    proxies.building.graph = None
             # The first execution starts every actor's loop; nobody waits for it.
             ray.get(dag.execute(self._warmup(len(actors))), timeout=max(60.0, self.timeout_s))
             with self._lock:
@@ -279,8 +274,7 @@ class ActorGraph:
                     self.stats.builds += 1
         except Exception as e:
             self.stats.build_failures += 1
-            if proxies is not None:
-                proxies.forget(self)
+            graph_proxy.forget(self)
             log.warning("building the compiled %s graph failed (%s: %s); using actor calls",
                         self.name, type(e).__name__, e)
         finally:

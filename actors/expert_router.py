@@ -148,8 +148,6 @@ class ExpertRouter:
             error = None
             try:
                 results = self._wait_graph(calls, execution) if execution is not None else None
-                if results is not None:
-                    self.actor_calls.losers.reap()  # probes of the replicas outside, answered meanwhile
                 if results is not None and self._graph_straggler(members) is not None:
                     # Replaced at once, not once no execution is out: an execution still out
                     # (the other micro-batch's) queues behind the straggler; dropping the graph
@@ -286,12 +284,12 @@ class ExpertRouter:
         results = self.graph.wait(execution)
         if results is None:
             return None
-        out = []
+        out, samples = [], self._graph_samples()
         for c in calls:
             result, timing = results[index[id(c.replica)]]
             free_s = self._actor_free_s.get(id(c.replica), 0.0)
             own_ms = record_answer(c.record, c.replica, timing, max(c.record.sent_s, free_s))
-            self._graph_samples().setdefault(id(c.replica.stats), deque(maxlen=2)).append(own_ms)
+            samples.setdefault(id(c.replica.stats), deque(maxlen=2)).append(own_ms)
             self._actor_free_s[id(c.replica)] = c.record.done_s
             out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
@@ -318,6 +316,7 @@ class ExpertRouter:
             others = [samples[id(x.stats)][-1] for x in own if x is not m and id(x.stats) in samples]
             if len(mine) < 2 or not others or min(mine) <= straggler_bound_ms(cfg, median_high(others)):
                 continue
+            self.actor_calls.losers.reap()  # probes of the replicas outside, answered meanwhile
             outside = [r for r in self.pool.alive(m.group) if r.host is None and not any(r is x for x in members)]
             if any(not r.stats.ewma_latency_ms or is_avoided(m, [r], cfg) for r in outside):
                 return m

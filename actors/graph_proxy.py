@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class DriverProxies:
@@ -58,7 +60,7 @@ class _ProxyRequest:
         return self.proxies.get(self.options, args, kwargs)
 
 
-def driver_proxies() -> DriverProxies | None:
+def _installed() -> DriverProxies | None:
     """Install :class:`DriverProxies` in Ray's ``CompiledDAG`` once (None where this Ray has no
     such class: it then compiles as it comes)."""
     from ray.dag.compiled_dag_node import CompiledDAG
@@ -68,3 +70,25 @@ def driver_proxies() -> DriverProxies | None:
         return current
     CompiledDAG.DAGDriverProxyActor = DriverProxies(current)
     return CompiledDAG.DAGDriverProxyActor
+
+
+@contextmanager
+def compiling(graph) -> Iterator[None]:
+    """Around ``graph``'s compile, on its build thread: the proxy actor Ray asks for is the one
+    ``graph``'s earlier builds had."""
+    proxies = _installed()
+    if proxies is None:
+        yield
+        return
+    proxies.building.graph = graph
+    try:
+        yield
+    finally:
+        proxies.building.graph = None
+
+
+def forget(graph) -> None:
+    """``graph``'s next build makes a new proxy (after a failed build: it may be what failed)."""
+    proxies = _installed()
+    if proxies is not None:
+        proxies.forget(graph)

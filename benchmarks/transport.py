@@ -72,7 +72,6 @@ def expert_rows(tokens: int, config, dtype, device: str, seed: int = 0):
 
 def _synced(fn, device: str):
     """``fn`` followed by a device sync, so CUDA work is inside the timed call."""
-
     def call(*args):
         out = fn(*args)
         sync(device)
