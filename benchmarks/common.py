@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = str(ROOT / "checkpoints/stdlib-moe-target")
 DRAFT = str(ROOT / "checkpoints/stdlib-draft")
+EAGLE3 = str(ROOT / "checkpoints/stdlib-eagle3")
 PROMPTS = ROOT / "benchmarks/data/stdlib_heldout.jsonl"
 
 

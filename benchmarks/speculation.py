@@ -28,13 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import DRAFT, TARGET, Timer, load_prompts, machine, print_table, save_json  # noqa: E402
+from benchmarks.common import DRAFT, EAGLE3, TARGET, Timer, load_prompts, machine, print_table, save_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
+DRAFTERS = {"draft": DRAFT, "eagle3": EAGLE3}
 
-def build(name: str, k: int, batch: int, pipelined: bool = False) -> LLM:
-    method, policy = (None, "fixed") if name == "none" else ("draft", "adaptive" if name == "adaptive" else "fixed")
-    return LLM(TARGET, draft_model=DRAFT if method else None, speculative_method=method,
+
+def build(name: str, k: int, batch: int, pipelined: bool = False, drafter: str = "draft") -> LLM:
+    method, policy = (None, "fixed") if name == "none" else (drafter, "adaptive" if name == "adaptive" else "fixed")
+    return LLM(TARGET, draft_model=DRAFTERS[drafter] if method else None, speculative_method=method,
                num_speculative_tokens=k if method else 0, speculative_policy=policy, pipelined_drafting=pipelined,
                max_num_seqs=batch, max_num_batched_tokens=16384)
 
@@ -56,8 +58,9 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -
                                  "accepted": after["num_accepted_tokens"] - before["num_accepted_tokens"]}
 
 
-def sweep_batch(prompts, batch: int, configs: list[tuple[str, int]], params: list[SamplingParams], repeats: int):
-    engines = {c: build(c[0], c[1], batch, c[2]) for c in configs}
+def sweep_batch(prompts, batch: int, configs: list[tuple[str, int]], params: list[SamplingParams], repeats: int,
+                drafter: str = "draft"):
+    engines = {c: build(c[0], c[1], batch, c[2], drafter) for c in configs}
     for llm in engines.values():
         llm.generate(prompts[: max(batch, 2)], params[: max(batch, 2)])  # warm-up (and the controller's warm-up)
     times: dict = {c: [] for c in configs}
@@ -94,6 +97,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pipelined", action="store_true", help="also each speculative config drafting ahead")
+    parser.add_argument("--speculative-method", choices=sorted(DRAFTERS), default="draft",
+                        help="the drafter: the bundled draft model or the bundled EAGLE-3 head")
     parser.add_argument("--save-result")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -107,7 +112,7 @@ def main() -> None:
         ([(n, k, True) for n, k in spec] if args.pipelined else [])
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        rows += sweep_batch(prompts, batch, configs, params, args.repeats)
+        rows += sweep_batch(prompts, batch, configs, params, args.repeats, args.speculative_method)
         print_table(rows[-len(configs):], ["batch", "config", "tok_per_s", "vs_none", "mean_k", "acceptance"])
     print()
     print_table(rows, ["batch", "config", "tokens", "seconds", "tok_per_s", "vs_none", "mean_k", "acceptance"])
