@@ -37,9 +37,9 @@ explores); the model still chooses what to draft when on. One explore step runs
 the other mode (off while on; the model's best drafting while off) every
 ``explore_interval_steps`` while the realised margin is thin (< ``thin_margin``) or unmeasured, a
 quarter as often otherwise and rarer still (backing off) while the margin stays wide, so the
-losing mode's figure stays fresh. While the rates keep speculation off by a wide margin, most
-plain steps are not fed to the cost model (``settled_fit_interval_steps``): what is left of an
-adaptive engine's cost over plain decoding is then mostly its explore steps. A drafter's catch-up on a
+losing mode's figure stays fresh. While the rates keep speculation off, most plain steps are not
+fed to the cost model (``off_fit_interval_steps``): what is left of an adaptive engine's cost over
+plain decoding is then mostly its explore steps. A drafter's catch-up on a
 prompt counts in the drafting figure: for short requests it is most of what drafting costs.
 On a shared CPU the model misses costs its features cannot see, and off steps are rare in its
 data, so a fit alone can keep speculation on where plain decoding is faster (issue 13).
@@ -117,10 +117,10 @@ class SpeculationController:
                                       s.explore_run_steps, s.explore_time_share)
         self.last = Decision()
         # Whether the last planned step should be metered and fed to the cost model
-        # (:meth:`observe_step`): all but one in ``settled_fit_interval_steps`` of the plain steps
-        # the realised rates keep off by a wide margin are not.
+        # (:meth:`observe_step`): all but one in ``off_fit_interval_steps`` of the plain steps the
+        # realised rates keep off are not.
         self.fits_last_step = True
-        self._settled_steps = 0
+        self._off_steps = 0
         self._drafted_last = False  # whether the last pure-decode step drafted
 
     # ------------------------------------------------------------------ decisions
@@ -171,9 +171,9 @@ class SpeculationController:
             if verdict == (False, False) or explore_off:
                 decision = Decision(dict.fromkeys(caps, 0), "explore" if explore_off else "adaptive",
                                     float(len(caps)), self.predict_step_s(num_base_tokens, refresh=False))
-                if not explore_off and self.realised.settled_off(len(caps), self._on):
-                    self._settled_steps += 1
-                    self.fits_last_step = self._settled_steps % s.settled_fit_interval_steps == 0
+                if not explore_off:
+                    self._off_steps += 1
+                    self.fits_last_step = self._off_steps % s.off_fit_interval_steps == 0
             elif (decision := self._reuse(caps, num_base_tokens, num_prefills, tpot or {}, verdict)) is None:
                 decision = self._optimise(caps, num_base_tokens, num_prefills, catchup or {}, remaining or {},
                                           tpot or {}, verdict)

@@ -301,13 +301,6 @@ class RealisedCheck:
             self._run_left = self.explore_run_steps - 1 if standing is False else 0
         return standing, explore
 
-    def settled_off(self, num_decodes: int, on: bool) -> bool:
-        """Whether the realised rates say off by more than the thin margin: probes of the cost
-        model are then moot (its choice is overruled), and explore steps alone keep the drafting
-        figure fresh."""
-        rates = self.bucket(num_decodes).rates()
-        return not self._thin(rates) and self._standing(rates, on) is False
-
     def _standing(self, rates: tuple[float, float] | None, on: bool) -> bool | None:
         if rates is None:
             return None

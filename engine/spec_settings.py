@@ -35,10 +35,11 @@ class ControllerSettings:
             (:class:`engine.spec_cost.RealisedCheck`).
         explore_time_share: explore steps start only while they took at most this share of the
             recent pure-decode time (:class:`engine.spec_cost.RealisedCheck`).
-        settled_fit_interval_steps: while the realised rates keep speculation off by a wide margin,
-            only one plain-decoding step in this many is metered and fed to the cost model (its
-            fit matters then only at explore steps and for latency budgets; metering and fitting
-            cost ~2 % of a batch-1 step of the bundled pair).
+        off_fit_interval_steps: while the realised rates keep speculation off (by a wide margin
+            or a thin one), only one plain-decoding step in this many is metered and fed to the
+            cost model: its fit then matters only at explore steps and for latency budgets, its
+            plain steps all have the same features, and metering and fitting them cost ~3 % of a
+            batch-1 step of the bundled pair.
         replan_interval_steps: a pure-decode step of the same sequences reuses the last optimised
             draft lengths for up to this many steps in all (1: optimise every step); see
             :meth:`SpeculationController._reuse` for when it replans anyway.
@@ -61,7 +62,7 @@ class ControllerSettings:
     explore_backoff_doublings: int = 2
     explore_run_steps: int = 3
     explore_time_share: float = 0.1
-    settled_fit_interval_steps: int = 8
+    off_fit_interval_steps: int = 8
     replan_interval_steps: int = 4
     thin_margin: float = 0.2
     goodput_decay: float = 0.99

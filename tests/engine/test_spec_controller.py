@@ -147,7 +147,7 @@ def test_no_probes_while_the_realised_rates_say_off():
             ctl.observe_acceptances([(sid, k, k)])
         # Drafting realises 0.97 of plain decoding's 400 tok/s: off, by a thin margin.
         ctl.observe_goodput(4 + drafted, (4 + drafted) / (400 * 0.97) if drafted else 0.010)
-    assert ctl.realised.standing(4, on=False) is False and not ctl.realised.settled_off(4, on=False)
+    assert ctl.realised.standing(4, on=False) is False and ctl.realised._thin(ctl.realised.bucket(4).rates())
     assert "probe" not in reasons[100:] and "explore" in reasons[100:]
 
 
@@ -181,21 +181,24 @@ def test_an_explore_of_drafting_is_a_run_whose_switch_step_is_not_counted():
     assert "dd" not in one_step_modes and one_step_modes.endswith("." * 30)
 
 
-def test_settled_off_steps_feed_the_cost_model_one_in_n():
-    """Once the realised rates keep speculation off by a wide margin, only one plain step in
-    ``settled_fit_interval_steps`` is metered and fed to the cost model; explore steps always are."""
-    ctl = controller(settled_fit_interval_steps=4)
+@pytest.mark.parametrize("drafting_s", [0.040, 0.0206])  # half plain decoding's rate; 0.97 of it (thin)
+def test_off_steps_feed_the_cost_model_one_in_n(drafting_s):
+    """While the realised rates keep speculation off, by a wide margin or a thin one, only one
+    plain step in ``off_fit_interval_steps`` is metered and fed to the cost model; explore steps
+    always are."""
+    ctl = controller(off_fit_interval_steps=4)
     caps = {"a": 8}
     for _ in range(3):
         ctl.realised.observe(1, False, 1, 0.010)
-        ctl.realised.observe(1, True, 2, 0.040)  # drafting: half plain decoding's rate
+        ctl.realised.observe(1, True, 2, drafting_s)
     ctl._decode_steps = ctl.settings.warmup_steps  # warm-up done
     plain_fits, explore_fits = [], []
     for _ in range(200):
         decision = ctl.plan(caps, 1)
         drafted = sum(decision.k.values()) > 0
         (explore_fits if drafted else plain_fits).append(ctl.fits_last_step)
-        ctl.observe_goodput(2 if drafted else 1, 0.040 if drafted else 0.010)
+        ctl.observe_goodput(2 if drafted else 1, drafting_s if drafted else 0.010)
+    assert ctl.realised.standing(1, on=False) is False
     assert explore_fits and all(explore_fits)
     assert sum(plain_fits) == pytest.approx(len(plain_fits) / 4, abs=1)
 

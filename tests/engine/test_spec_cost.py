@@ -73,8 +73,6 @@ def test_realised_check_switches_around_the_required_gain():
             rc.observe(4, True, 8, 0.020 / ratio)  # drafting: 400 x ratio tok/s
         return rc
     assert check(1.02).standing(4, on=True) is False
-    assert check(1.02).settled_off(4, on=True) is False  # a thin margin: keep probing
-    assert check(0.70).settled_off(4, on=True) is True
     assert check(1.08).standing(4, on=True) is True and check(1.08).standing(4, on=False) is False
     assert check(1.12).standing(4, on=False) is True
 
