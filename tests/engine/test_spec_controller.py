@@ -199,6 +199,7 @@ def test_off_steps_feed_the_cost_model_one_in_n(drafting_s):
         (explore_fits if drafted else plain_fits).append(ctl.fits_last_step)
         ctl.observe_goodput(2 if drafted else 1, drafting_s if drafted else 0.010)
     assert ctl.realised.standing(1, on=False) is False
+    assert ctl.realised._thin(ctl.realised.bucket(1).rates()) == (drafting_s < 0.03)
     assert explore_fits and all(explore_fits)
     assert sum(plain_fits) == pytest.approx(len(plain_fits) / 4, abs=1)
 
