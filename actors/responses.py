@@ -40,7 +40,10 @@ def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -
     return {
         "tokens": tokens,
         "token_logprobs": [i["logprob"] for i in items],
-        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in i["top"].items()} for i in items],
+        # The sampled token is always among them, as in OpenAI's legacy API and vLLM (up to
+        # logprobs + 1 entries when it is not one of the most likely).
+        "top_logprobs": [{**{token_text(tokenizer, t): lp for t, lp in i["top"].items()}, tok: i["logprob"]}
+                         for i, tok in zip(items, tokens)],
         "text_offset": offsets,
     }
 
