@@ -243,9 +243,12 @@ class ExpertRouter:
             first.setdefault(c.record.group, c)
             chosen.setdefault(c.record.group, []).append(c.replica)
         for g, c in first.items():
-            others = [x.record.latency_ms for x in calls if x.record.group != g]
-            straggled = members is not None and bool(others) and any(
-                x.record.latency_ms > straggler_bound_ms(cfg, median_high(others)) for x in calls if x.record.group == g)
+            straggled = False
+            if members is not None:  # only a graph member's straggling triggers the at-once probe
+                others = [x.record.latency_ms for x in calls if x.record.group != g]
+                bound_ms = straggler_bound_ms(cfg, median_high(others)) if others else None
+                straggled = bound_ms is not None and any(
+                    x.record.latency_ms > bound_ms for x in calls if x.record.group == g)
             for r in self.pool.alive(g):
                 outside = members is not None and not any(r is m for m in members)
                 interval_s = 0.0 if straggled and outside else cfg.probe_interval_s

@@ -44,8 +44,9 @@ class DriverProxies:
         graph = getattr(self.building, "graph", None)
         key = repr((sorted(options.items()), args, sorted(kwargs.items())))
         with self._lock:
-            if graph is not None and graph in self._handles and self._handles[graph][0] == key:
-                return self._handles[graph][1]
+            kept = self._handles.get(graph) if graph is not None else None
+            if kept is not None and kept[0] == key:
+                return kept[1]
             handle = self.actor_class.options(**options).remote(*args, **kwargs)
             if graph is not None:
                 self._handles[graph] = (key, handle)
