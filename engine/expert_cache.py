@@ -237,18 +237,35 @@ class ExpertCache:
         return entry.crf * 2.0 ** (-self.decay * (self._clock - entry.last))
 
     def _evict(self, allow_prefetched: bool, keep_layer: int | None = None) -> bool:
-        """Drop the best victim (never one of ``keep_layer``); False when there is none."""
-        ready = [(k, e) for k, e in self._entries.items() if e.ready]
-        pinned = {k for k, _ in sorted(ready, key=lambda ke: -ke[1].uses)[:self.num_pinned]}
-        candidates = [(e.prefetched, -self._distance(k[0]), self._crf_now(e), k) for k, e in ready
-                      if e.refs == 0 and k not in pinned and (allow_prefetched or not e.prefetched)
-                      and k[0] != keep_layer]
-        if not candidates:
+        """Drop the best victim (never one of ``keep_layer``); False when there is none.
+
+        The victim is the least of ``(prefetched, -distance, CRF, key)`` over the entries that may
+        go. One pass, each layer's distance worked out once: every load of an offloading actor
+        evicts, and the rule as one sort over all entries cost ~28 us a load (the bundled model's
+        loads take ~26 us)."""
+        pinned = self._pinned() if self.num_pinned else ()
+        distance: dict[int, int] = {}
+        best = None
+        for k, e in self._entries.items():
+            if (not e.ready or e.refs or k[0] == keep_layer or (e.prefetched and not allow_prefetched)
+                    or k in pinned):
+                continue
+            d = distance.get(k[0])
+            if d is None:
+                d = distance[k[0]] = self._distance(k[0])
+            rank = (e.prefetched, -d, self._crf_now(e), k)
+            if best is None or rank < best:
+                best = rank
+        if best is None:
             return False
-        prefetched, _, _, key = min(candidates)
+        prefetched, key = best[0], best[3]
         del self._entries[key]
         self.stats.evictions += 1
         self.stats.prefetches_wasted += prefetched
         self.on_evict(key)
         return True
 
+    def _pinned(self) -> set[Key]:
+        """The ``num_pinned`` ready entries with the most uses (ties: the earlier inserted)."""
+        ready = [(k, e) for k, e in self._entries.items() if e.ready]
+        return {k for k, _ in sorted(ready, key=lambda ke: -ke[1].uses)[:self.num_pinned]}
