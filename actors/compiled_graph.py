@@ -50,6 +50,7 @@ class GraphStats:
     parks: int = 0  # idle periods spent parked (actors blocked, not polling)
     oversize: int = 0  # messages too large for the channels, sent another way
     rebuilds: int = 0
+    late: int = 0  # executions past their hedge deadline (the graph dropped, the caller hedged)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -58,10 +59,14 @@ class GraphStats:
 
 @dataclass
 class Execution:
-    """One submitted graph execution: the graph it went to and its result reference."""
+    """One submitted graph execution: the graph it went to, its result reference, when it was
+    submitted (``time.monotonic()``), and whether :meth:`ActorGraph.wait` gave up on it at its
+    hedge deadline."""
 
     dag: Any
     ref: Any
+    sent_mono_s: float = 0.0
+    late: bool = False
 
 
 class ActorGraph:
@@ -186,20 +191,38 @@ class ActorGraph:
                 self._failed(dag, e)
                 return None
             self._inflight += 1
-            return Execution(dag, ref)
+            return Execution(dag, ref, time.monotonic())
 
-    def wait(self, execution: Execution | None) -> list | None:
+    def wait(self, execution: Execution | None, hedge_after_s: float | None = None) -> list | None:
         """The results of a submitted execution: one per actor, or None (no graph was live, or
-        it failed, now or in an execution before: the graph is then torn down)."""
+        it failed, now or in an execution before: the graph is then torn down).
+
+        Args:
+            hedge_after_s: give up on the execution this long after its submission (the caller
+                hedges it by other means): the graph is dropped, since Ray 2.60 cannot read a
+                timed-out execution's outputs later (its ``CompiledDAGRef`` is spent and a partial
+                read leaves the output channels out of step), ``execution.late`` is set, and no
+                graph is built until :meth:`build_now` (the caller first updates what
+                ``members()`` will choose). None: wait up to ``timeout_s``.
+        """
         if execution is None:
             return None
+        hedged = hedge_after_s is not None
         try:
             if execution.dag is not self._dag:  # an earlier execution failed: the graph is gone
                 return None
-            results = ray.get(execution.ref, timeout=self.timeout_s)
+            timeout_s = (max(0.0, execution.sent_mono_s + hedge_after_s - time.monotonic()) if hedged
+                         else self.timeout_s)
+            results = ray.get(execution.ref, timeout=timeout_s)
         except Exception as e:  # actor death, timeout, channel error: the graph is unusable now
             with self._lock:
-                self._failed(execution.dag, e)
+                if hedged and isinstance(e, TimeoutError):
+                    execution.late = execution.dag is self._dag
+                    if execution.late:
+                        self.stats.late += 1
+                        self._teardowns.append(_teardown_in_background(self._drop(), self.name))
+                else:
+                    self._failed(execution.dag, e)
             return None
         finally:
             with self._lock:
@@ -227,6 +250,13 @@ class ActorGraph:
             self.stats.rebuilds += 1
             self._teardowns.append(_teardown_in_background(dag, self.name))
             self._start_build()  # traffic is steady (the graph was in use): no build_after_s wait
+
+    def build_now(self) -> None:
+        """Build a graph over the current ``members()`` at once unless one is live or building
+        (traffic is steady: no ``build_after_s`` wait)."""
+        with self._lock:
+            if self._dag is None:
+                self._start_build()
 
     def request_build(self) -> None:
         """Say the graph is wanted now: builds in the background once it has been wanted for

@@ -102,10 +102,13 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         graph_build_after_s: (re)build a graph only after this long of steady traffic without one
             (steps no more than ``graph_idle_park_s`` apart): a build costs ~2 s of CPU, more than
             a short burst loses by going over actor calls.
-        hedge: hedged expert calls on the actor-call path (``actor_calls``, and the fallback while
-            a compiled graph is not live): a call to a group with >= 2 live replicas that has not
+        hedge: hedged expert calls. On the actor-call path (``actor_calls``, and the fallback while
+            a compiled graph is not live) a call to a group with >= 2 live replicas that has not
             returned by its deadline is sent to another replica too, the first result is taken and
-            the other is cancelled. False: never hedge.
+            the other is cancelled. On a live compiled graph whose groups all have >= 2 live
+            replicas, an execution not back by the largest of its groups' deadlines is given up:
+            the layer goes by actor calls to other replicas and the graph is rebuilt without the
+            members that had rows (at most once per 2 s). False: never hedge.
         hedge_quantile, hedge_factor, hedge_floor_ms: the deadline, milliseconds after sending, is
             ``max(hedge_floor_ms, hedge_factor x quantile(hedge_quantile))`` of the group's recent
             call latencies (each answered call's own round trip).

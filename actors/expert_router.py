@@ -43,6 +43,10 @@ from kernels.routing import RoutingResult
 
 log = logging.getLogger(__name__)
 
+# Least time between two hedged graph executions: each drops the graph and builds another (~0.15 s
+# of CPU on the 2-core dev VM), so a load spike that makes many executions late costs one rebuild.
+GRAPH_HEDGE_INTERVAL_S = 2.0
+
 
 class ExpertRouter:
     """``ExpertExecutor`` over an :class:`ExpertPool`, called from the engine thread only.
@@ -77,6 +81,8 @@ class ExpertRouter:
         self._actor_free_s: dict[int, float] = {}  # when each actor finished our latest call (wall s)
         self._graph_latency_ms: dict[int, deque] = {}  # each actor's last call latencies in the live graph
         self._graph_builds_seen = 0  # graph.stats.builds when _graph_latency_ms was started
+        self.num_graph_hedges = 0  # graph executions given up at their hedge deadline
+        self._graph_hedged_s = -GRAPH_HEDGE_INTERVAL_S  # time.monotonic() of the latest
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         """The model's prediction for the next MoE layer: sent with this layer's calls (offload)."""
@@ -154,7 +160,9 @@ class ExpertRouter:
                     # sends it by actor calls now (its wait returns None).
                     self.graph.rebuild()
                 if results is None and members and calls:
-                    self._abandon(calls)
+                    late = execution is not None and execution[0].late
+                    self._abandon(calls, "compiled graph past its hedge deadline" if late
+                                  else "compiled graph failed or replaced")
                 if results is None:
                     results = self.actor_calls.run(layer, calls, ctx)
                     self.num_call_layers += 1
@@ -284,7 +292,10 @@ class ExpertRouter:
         previous call, whichever is later: behind another micro-batch's execution it queued, and
         queueing behind our own work must not make the actor look like a straggler."""
         execution, index = submitted
-        results = self.graph.wait(execution)
+        hedge_ms = self._graph_hedge_ms(calls)
+        results = self.graph.wait(execution, None if hedge_ms is None else hedge_ms / 1e3)
+        if execution.late:
+            self._graph_late(calls, hedge_ms)
         if results is None:
             return None
         out, samples = [], self._graph_samples()
@@ -292,18 +303,47 @@ class ExpertRouter:
             result, timing = results[index[id(c.replica)]]
             free_s = self._actor_free_s.get(id(c.replica), 0.0)
             own_ms = record_answer(c.record, c.replica, timing, max(c.record.sent_s, free_s))
+            self.actor_calls.hedging.observe(c.record.group, own_ms)
             samples.setdefault(id(c.replica.stats), deque(maxlen=2)).append(own_ms)
             self._actor_free_s[id(c.replica)] = c.record.done_s
             out.append(from_bytes(result, tuple(c.hidden.shape), c.hidden.dtype, c.hidden.device))
         return out
 
-    def _abandon(self, calls: list[Call]) -> None:
+    def _abandon(self, calls: list[Call], reason: str) -> None:
         """The graph failed or was dropped under these calls: their attempts end, and actor calls
         go next to each group's best replica now (the planned member may be the straggler or the
         dead actor that ended the graph)."""
         for c in calls:
-            self.telemetry.abandon_call(c.record, "compiled graph failed or replaced")
+            self.telemetry.abandon_call(c.record, reason)
             c.record.attempts, c.replica = 0, None
+
+    def _graph_hedge_ms(self, calls: list[Call]) -> float | None:
+        """How long after its submission an execution carrying ``calls`` is hedged: the largest of
+        its groups' hedge deadlines (:class:`actors.hedging.HedgePolicy`), or None when hedging is
+        off, a group has no other live replica or too few latencies, or the graph was hedged less
+        than ``GRAPH_HEDGE_INTERVAL_S`` ago (each hedge costs a rebuild: load spikes must not
+        make a storm of them)."""
+        if time.monotonic() - self._graph_hedged_s < GRAPH_HEDGE_INTERVAL_S:
+            return None
+        deadlines = [self.actor_calls.hedging.deadline_ms(g, len(self.pool.alive(g)))
+                     for g in {c.record.group for c in calls}]
+        return None if None in deadlines or not deadlines else max(deadlines)
+
+    def _graph_late(self, calls: list[Call], hedge_ms: float) -> None:
+        """An execution missed its hedge deadline: the graph is gone (its outputs cannot be read),
+        this layer goes by actor calls, and a graph is built at once without the straggler.
+
+        Which member was late cannot be known, so every member that had rows is now taken to be at
+        least ``hedge_ms`` slow: each of those groups then goes to another replica that is not (its
+        probes keep its view fresh), and a member wrongly suspected is used again after its next
+        probe."""
+        self._graph_hedged_s = time.monotonic()
+        self.num_graph_hedges += 1
+        for c in calls:
+            c.record.hedges += 1
+            c.replica.stats.ewma_latency_ms = max(c.replica.stats.ewma_latency_ms, hedge_ms)
+            self.telemetry.hedge_call(c.record, c.replica.name, "actor calls", hedge_ms)
+        self.graph.build_now()
 
     def _graph_straggler(self, members: list[Replica]) -> Replica | None:
         """A member of the live graph to replace: in each of its last two executions of *this*

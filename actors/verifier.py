@@ -194,7 +194,7 @@ class VerifierServer:
     def _stats_now(self) -> dict:
         m = self.engine.get_metrics()
         m["expert_retries"] = self.router.actor_calls.num_retries if self.router else 0
-        m["expert_hedges"] = self.router.actor_calls.num_hedges if self.router else 0
+        m["expert_hedges"] = self.router.actor_calls.num_hedges + self.router.num_graph_hedges if self.router else 0
         m["expert_probes"] = self.router.num_probes if self.router else 0
         m["expert_replication"] = self.router.replication_stats() if self.router else {}
         drafter_graph = getattr(self.engine.drafter, "graph", None)

@@ -13,6 +13,7 @@ host; output identical to in-process experts throughout.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,12 +85,23 @@ class FakeGraph:
     def wake(self) -> None:
         pass  # never parked
 
-    def submit(self, request):
-        return self.stats.builds, request  # run at wait: the members' order is what the test checks
+    def build_now(self) -> None:
+        self.request_build()
 
-    def wait(self, submitted):
-        build, request = submitted  # None once the graph it went to was dropped, as the real one
-        return self.execute(request) if self.members and build == self.stats.builds else None
+    def submit(self, request):
+        # run at wait: the members' order is what the test checks
+        return SimpleNamespace(build=self.stats.builds, request=request, late=False)
+
+    def wait(self, submitted, hedge_after_s=None):
+        if not self.members or submitted.build != self.stats.builds:
+            return None  # the graph it went to was dropped, as the real one
+        start = time.monotonic()
+        out = self.execute(submitted.request)
+        if hedge_after_s is not None and time.monotonic() - start > hedge_after_s:
+            self.members, submitted.late = [], True  # dropped at the deadline, as the real one
+            self.stats.late += 1
+            return None
+        return out
 
     def execute(self, request):
         self.executions += 1

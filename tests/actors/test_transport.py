@@ -126,6 +126,40 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
 
 
+def test_a_graph_member_turned_straggler_is_hedged_by_actor_calls_and_left_out_of_the_rebuild(served):
+    # 2 groups x 2 replicas; a 50 ms floor keeps a loaded CI machine's hiccups from hedging.
+    config = ExpertPoolConfig(experts_per_actor=4, replicas=2, call_timeout_s=10.0, hedge_min_samples=2,
+                              hedge_floor_ms=50.0, probe_interval_s=0.2)
+    pool = ExpertPool(TARGET, 8, config, prefix=f"test-graph-hedge-{os.getpid()}", detached=False)
+    pool.start()
+    pool.wait_loaded(120)
+    router = ExpertRouter(pool, torch.float32, graph=True)
+    try:
+        hidden, routing = _layer_inputs(9, seed=6)  # rows for both groups
+        expected = _expected(1, hidden, routing)
+        _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+        for _ in range(4):  # graph latencies for both groups' hedge deadlines; probes of the others
+            torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
+            time.sleep(0.25)
+        straggler = router.graph.members[0]
+        ray.get(straggler.handle.set_delay_ms.remote(3000.0))
+        start = time.monotonic()
+        out = router.execute(1, hidden, routing)
+        elapsed_s = time.monotonic() - start
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        assert elapsed_s < 1.5, f"the layer waited {elapsed_s:.2f} s for a 3 s straggler"
+        assert router.num_graph_hedges == 1 and router.graph.stats.late == 1 and router.graph.stats.failures == 0
+        # The graph is rebuilt at once (after the straggler's call ends) over the other replica of its group.
+        _wait(lambda: router.graph.live, 120, "the rebuilt graph")
+        assert all(m is not straggler for m in router.graph.members)
+        graph_layers = router.num_graph_layers
+        torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
+        assert router.num_graph_layers == graph_layers + 1
+    finally:
+        router.close()
+        pool.shutdown()
+
+
 @ray.remote(num_cpus=0, max_concurrency=2)
 class _Echo(GraphParking):
     """The smallest graph member: answers its part of a request."""
