@@ -18,7 +18,10 @@ A persistent straggler is avoided by the router's latency-aware replica choice (
 completion = (calls in flight + 1) x latency EWMA; the straggler rule; probes let it back once it
 recovers: actors/replica_choice.py) after its first slow call, hedging or not. On the compiled-graph
 transport a straggling graph member makes the router probe its group's other replica at once and
-rebuild the graph without it (actor calls, latency-aware and hedged, in the meantime). ``--flip-s S`` makes the straggler intermittent instead: every S
+rebuild the graph without it (actor calls, latency-aware and hedged, in the meantime); with hedging on, an
+execution past its groups' hedge deadline is given up at once (actors/expert_router.py). A deadline
+needs a few known latencies: ``--warm-requests N`` lets each phase serve N requests before the
+straggler is slowed (a replica turning slow while serving). ``--flip-s S`` makes the straggler intermittent instead: every S
 seconds the delay moves to the group's other replica, so the replica the router prefers turns slow
 and is chosen until its latency view catches up (what hedging is for).
 
@@ -159,6 +162,10 @@ def main() -> None:
                              "compiled graph at each straggler phase's start (compiled_graph only)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is reported")
     parser.add_argument("--flip-s", type=float, default=0.0, help="move the delay to the other replica this often")
+    parser.add_argument("--warm-requests", type=int, default=0,
+                        help="untimed requests at each phase's start, after the latency views are reset and "
+                             "before the straggler is slowed: a replica that turns slow while serving (with "
+                             "0 it is slow from the phase's first call, before any latency is known)")
     parser.add_argument("--hedge-factor", type=float, default=2.0)
     parser.add_argument("--hedge-floor-ms", type=float, default=10.0)
     parser.add_argument("--straggler-floor-ms", type=float, default=5.0,
@@ -184,6 +191,11 @@ def main() -> None:
             for name, slowed, hedge in PHASES:
                 straggler = Straggler(handle, args.slow_group, slow_replica(handle, args), args.delay_ms, args.flip_s)
                 handle.set_expert_hedging.remote(hedge).result()
+                if args.warm_requests:
+                    asyncio.run(run_requests(url, config.model_name, prompts[:args.warm_requests], args.concurrency,
+                                             args.max_tokens))
+                    straggler = Straggler(handle, args.slow_group, slow_replica(handle, args), args.delay_ms,
+                                          args.flip_s)
                 if slowed:
                     straggler.start()
                 before = handle.stats.remote().result()
@@ -200,6 +212,10 @@ def main() -> None:
                                    "hedges": hedges, "same_output": texts == reference,
                                    "graph_rebuilds": after["transport"].get("rebuilds", 0)
                                    - before["transport"].get("rebuilds", 0),
+                                   "graph_builds": after["transport"].get("builds", 0)
+                                   - before["transport"].get("builds", 0),
+                                   "graph_late": after["transport"].get("late", 0) - before["transport"].get("late", 0),
+                                   "e2e_s": [round(x, 3) for x in e2e_s],
                                    "graph_share": layers["graph_layers"] / max(1, sum(layers.values()))})
         for name, reps in runs.items():  # the median repeat of each phase (by p99)
             mid = sorted(reps, key=lambda r: r["p99_e2e_s"])[len(reps) // 2]
