@@ -24,6 +24,9 @@ class ActorStats:
     outstanding_calls: int = 0
     ewma_latency_ms: float = 0.0
     last_call_s: float = 0.0  # time.monotonic() of the latest call or probe sent to it
+    # In a compiled-graph execution given up at its hedge deadline: not chosen while its group has
+    # another usable replica, until the router's next graph is built (actors/expert_router.py).
+    suspect: bool = False
 
     def observe_latency(self, latency_ms: float, alpha: float = 0.2) -> None:
         self.ewma_latency_ms = latency_ms if self.ewma_latency_ms == 0 else (

@@ -82,6 +82,8 @@ class ExpertRouter:
         self._graph_latency_ms: dict[int, deque] = {}  # each actor's last call latencies in the live graph
         self._graph_builds_seen = 0  # graph.stats.builds when _graph_latency_ms was started
         self.num_graph_hedges = 0  # graph executions given up at their hedge deadline
+        self._suspects: list = []  # ActorStats of the latest late execution's members
+        self._suspects_until_build = 0  # graph.stats.builds that clears them
         self._graph_hedged_s = -GRAPH_HEDGE_INTERVAL_S  # time.monotonic() of the latest
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
@@ -197,6 +199,10 @@ class ExpertRouter:
     def _live_members(self) -> list[Replica] | None:
         if self.graph is None:
             return None
+        if self._suspects and self.graph.stats.builds >= self._suspects_until_build:
+            for stats in self._suspects:  # the graph built without them is live: usable again
+                stats.suspect = False
+            self._suspects = []
         if not self.graph.live:
             self.graph.request_build()  # in the background; this layer goes by actor calls
             return None
@@ -333,16 +339,19 @@ class ExpertRouter:
         """An execution missed its hedge deadline: the graph is gone (its outputs cannot be read),
         this layer goes by actor calls, and a graph is built at once without the straggler.
 
-        Which member was late cannot be known, so every member that had rows is now taken to be at
-        least ``hedge_ms`` slow: each of those groups then goes to another replica that is not (its
-        probes keep its view fresh), and a member wrongly suspected is used again after its next
-        probe."""
+        Which member was late cannot be read, so every member that had rows is a suspect
+        (``ActorStats.suspect``): no call or graph goes to it while its group has another usable
+        replica, until the graph built now is live. Its latency view alone would not do: raised to
+        the deadline, it was still within the straggler rule of a loaded replica, and the rebuilt
+        graph took the straggler back (measured). A member wrongly suspected is used again then."""
         self._graph_hedged_s = time.monotonic()
         self.num_graph_hedges += 1
         for c in calls:
             c.record.hedges += 1
-            c.replica.stats.ewma_latency_ms = max(c.replica.stats.ewma_latency_ms, hedge_ms)
+            c.replica.stats.suspect = True
+            self._suspects.append(c.replica.stats)
             self.telemetry.hedge_call(c.record, c.replica.name, "actor calls", hedge_ms)
+        self._suspects_until_build = self.graph.stats.builds + 1
         self.graph.build_now()
 
     def _graph_straggler(self, members: list[Replica]) -> Replica | None:
@@ -379,6 +388,7 @@ class ExpertRouter:
         if not all(own):
             raise RuntimeError("an expert group has no live replica yet")
         self._graph_version = self.pool.version
+        own = [[r for r in rs if not r.stats.suspect] or rs for rs in own]
         best = [min(rs, key=lambda r: (r.stats.expected_ms(), r.index)) for rs in own]
         guests = [r for g in range(len(self.pool.groups)) for r in self.pool.alive(g) if r.host is not None]
         return best + guests, "forward_graph"

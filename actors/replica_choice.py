@@ -36,6 +36,7 @@ def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, in
     def expected(r: Replica) -> float:
         return r.stats.expected_ms(planned.get(id(r.stats), 0))
 
+    replicas = [r for r in replicas if not r.stats.suspect] or replicas
     ranked = sorted(replicas, key=lambda r: (expected(r), r.outstanding_rows, r.index))
     bound_ms = straggler_bound_ms(config, expected(ranked[0]))
     fast = [r for r in ranked if expected(r) <= bound_ms]
