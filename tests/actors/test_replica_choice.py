@@ -240,6 +240,31 @@ def test_a_straggler_found_sends_the_execution_still_out_by_actor_calls(fake_ray
     assert router.graph.members[1] is other
 
 
+def test_a_late_graph_execution_goes_to_other_replicas_and_the_rebuilt_graph_leaves_its_members_out(fake_ray):
+    """Hedging on: an execution past its groups' hedge deadline is given up (this fake finds it
+    late only after running it; the real graph stops waiting at the deadline:
+    tests/actors/test_transport.py). Its members are suspects: the layer's actor calls go to the
+    other replicas, the graph built at once holds those, and the suspects are usable again once
+    it is live."""
+    router = _router(**dict(CHOICE, hedge=True, hedge_min_samples=2, hedge_floor_ms=50.0, probe_interval_s=60.0))
+    router.graph = FakeGraph(router._graph_members)
+    rows, weights, counts = _rows(seed=5)
+    expected = _expected(rows, weights, counts)
+    for _ in range(3):  # built, then two executions: two latencies of each group
+        torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert router.num_graph_hedges == 0
+    members = router.graph.members
+    members[1].handle.set_delay_ms.remote(300.0)
+    before = [_forwards(m) for m in members]
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert router.num_graph_hedges == 1 and router.graph.stats.late == 1
+    assert [_forwards(m) for m in members] == [n + 1 for n in before]  # the graph execution only
+    assert all(m.stats.suspect for m in members)
+    assert router.graph.live and not any(m is old for m in router.graph.members for old in members)
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert not any(m.stats.suspect for m in members)  # the new graph is live: usable again
+
+
 def test_a_straggling_member_has_its_groups_outside_replica_probed_at_once(fake_ray):
     """Two groups: the straggler rule is judged against the other group's call, not a median
     that includes the straggler's own latency (with two calls, that median is the straggler)."""
