@@ -202,8 +202,8 @@ class ActorGraph:
                 hedges it by other means): the graph is dropped, since Ray 2.60 cannot read a
                 timed-out execution's outputs later (its ``CompiledDAGRef`` is spent and a partial
                 read leaves the output channels out of step), ``execution.late`` is set, and no
-                graph is built until :meth:`build_now` (the caller first updates what
-                ``members()`` will choose). None: wait up to ``timeout_s``.
+                build is started here: the caller calls :meth:`build_now` once it has updated what
+                ``members()`` will choose. None: wait up to ``timeout_s``.
         """
         if execution is None:
             return None

@@ -350,7 +350,7 @@ class ExpertRouter:
             c.record.hedges += 1
             c.replica.stats.suspect = True
             self._suspects.append(c.replica.stats)
-            self.telemetry.hedge_call(c.record, c.replica.name, "actor calls", hedge_ms)
+            self.telemetry.hedge_call(c.record, c.replica.name, "another replica", hedge_ms)
         self._suspects_until_build = self.graph.stats.builds + 1
         self.graph.build_now()
 
