@@ -15,7 +15,7 @@ import torch
 from actors.config import ExpertPoolConfig
 from actors.draft_server import DraftActorSpec, RemoteDrafter
 from actors.expert_pool import ExpertPool
-from actors.expert_router import ExpertRouter
+from actors.expert_router import GRAPH_HEDGE_INTERVAL_S, ExpertRouter
 from actors.graph_park import GraphParking
 from engine import SamplingParams
 from engine.checkpoint import CheckpointReader
@@ -141,6 +141,10 @@ def test_a_graph_member_turned_straggler_is_hedged_by_actor_calls_and_left_out_o
         for _ in range(4):  # graph latencies for both groups' hedge deadlines; probes of the others
             torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
             time.sleep(0.25)
+        # A hiccup of a loaded machine may have hedged already: its graph live again, its interval over.
+        _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+        time.sleep(max(0.0, GRAPH_HEDGE_INTERVAL_S - (time.monotonic() - router._graph_hedged_s)))
+        hedges, late, failures = router.num_graph_hedges, router.graph.stats.late, router.graph.stats.failures
         straggler = router.graph.members[0]
         ray.get(straggler.handle.set_delay_ms.remote(3000.0))
         start = time.monotonic()
@@ -148,7 +152,8 @@ def test_a_graph_member_turned_straggler_is_hedged_by_actor_calls_and_left_out_o
         elapsed_s = time.monotonic() - start
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
         assert elapsed_s < 1.5, f"the layer waited {elapsed_s:.2f} s for a 3 s straggler"
-        assert router.num_graph_hedges == 1 and router.graph.stats.late == 1 and router.graph.stats.failures == 0
+        assert (router.num_graph_hedges, router.graph.stats.late, router.graph.stats.failures) == (
+            hedges + 1, late + 1, failures)
         # The graph is rebuilt at once (after the straggler's call ends) over the other replica of its group.
         _wait(lambda: router.graph.live, 120, "the rebuilt graph")
         assert all(m is not straggler for m in router.graph.members)
