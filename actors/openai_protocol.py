@@ -110,7 +110,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
             if value is not None and value not in no_op:  # (the field types keep bools from equalling 0)
                 only = f" (only {', '.join(msgspec.json.encode(v).decode() for v in no_op)})" if no_op else ""
                 raise ProtocolError(f"'{name}' is not supported by this server{only}", name)
-        if self.best_of not in (None, 1, self.n):
+        if self.best_of is not None and self.best_of < self.n:  # OpenAI's and vLLM's rule
+            raise ProtocolError(f"'best_of' must be >= n ({self.n}), got {self.best_of}", "best_of")
+        if self.best_of not in (None, self.n):
             raise ProtocolError("'best_of' is not supported (only equal to n)", "best_of")
 
     def check_ranges(self) -> None:

@@ -21,8 +21,13 @@ def error_body(message: str, err_type: str = "invalid_request_error", param: str
 
 
 def token_text(tokenizer, token_id: int) -> str:
-    """One token's text; ``token_id:<id>`` without a tokenizer (vLLM's ``return_tokens_as_token_ids`` form)."""
-    return f"token_id:{int(token_id)}" if tokenizer is None else tokenizer.decode([int(token_id)])
+    """One token's text, special tokens included (``<|endoftext|>``, as vLLM's logprobs show them:
+    an empty string could not be told from a real empty token, and collides as a key of the
+    completions ``top_logprobs``); ``token_id:<id>`` without a tokenizer (vLLM's
+    ``return_tokens_as_token_ids`` form)."""
+    if tokenizer is None:
+        return f"token_id:{int(token_id)}"
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
 
 def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -> dict:

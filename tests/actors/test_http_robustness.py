@@ -37,7 +37,7 @@ BAD_INPUTS = [
     (C, {**OK_PROMPT, "seed": -1}, 400), (C, {**OK_PROMPT, "stop_token_ids": [2**40]}, 400),
     (C, {**OK_PROMPT, "prompt": [1.5, 2]}, 400), (C, {**OK_PROMPT, "logit_bias": {"5": 10}}, 400),
     (C, {**OK_PROMPT, "suffix": "x"}, 400), (C, {**OK_PROMPT, "presence_penalty": 0.5}, 400),
-    (C, {**OK_PROMPT, "best_of": 3}, 400), (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400),
+    (C, {**OK_PROMPT, "best_of": 3}, 400), (C, {**OK_PROMPT, "n": 2, "best_of": 1}, 400), (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400),
     (CHAT, {**OK_CHAT, "response_format": {"type": "json_object"}}, 400),
     ("/v1/embeddings", {"model": MODEL_NAME, "input": "x"}, 404),
     (C, b"{" + b" " * (5 * 1024 * 1024) + b"}", 413),

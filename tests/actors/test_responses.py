@@ -7,7 +7,7 @@ from actors.responses import ResponseBuilder
 class _Tokenizer:
     """Token id -> text: ids 0..25 are letters, 26 is two characters."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join("xy" if i == 26 else chr(ord("a") + i) for i in ids)
 
 
@@ -44,3 +44,23 @@ def test_a_finished_choice_of_an_n_stream_gets_one_finish_chunk_while_the_others
         seen = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks]
         assert seen == [(0, "length"), (1, None), (1, None), (1, "length")], kind
         assert [c["finish_reason"] for c in builder.final()["choices"]] == ["length", "length"]
+
+
+def test_logprob_tokens_show_special_tokens_by_name():
+    """The end-of-text token's logprob entry reads ``<|endoftext|>`` (vLLM), not an empty string
+    that a real empty token or another special token would collide with."""
+    from pathlib import Path
+
+    from actors.responses import chat_logprobs, completion_logprobs
+    from engine.loader import load_tokenizer
+    from tests.actors.conftest import TARGET
+
+    tokenizer, _ = load_tokenizer(Path(TARGET))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    newline = tokenizer.encode("\n").ids[-1]
+    items = [{"token_id": eos, "logprob": -4.0, "top": {newline: -0.5, eos: -4.0}}]
+    legacy = completion_logprobs(items, tokenizer)
+    assert legacy["tokens"] == ["<|endoftext|>"]
+    assert legacy["top_logprobs"] == [{"\n": -0.5, "<|endoftext|>": -4.0}]
+    chat = chat_logprobs(items, tokenizer)["content"][0]
+    assert chat["token"] == "<|endoftext|>" and chat["bytes"] == list(b"<|endoftext|>")
