@@ -108,7 +108,11 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             the other is cancelled. On a live compiled graph whose groups all have >= 2 live
             replicas, an execution not back by the largest of its groups' deadlines is given up:
             the layer goes by actor calls to other replicas and the graph is rebuilt without the
-            members that had rows (at most once per 2 s). False: never hedge.
+            members that had rows (at most once per 2 s; no sooner than ``graph_hedge_floor_ms``).
+            False: never hedge.
+        graph_hedge_floor_ms: a compiled-graph execution is hedged no sooner than this, ms: a
+            graph hedge costs a rebuild (an actor-call hedge one more call), and at the 10 ms
+            ``hedge_floor_ms`` the 2-core dev VM's scheduling noise made them often (docs/TRANSPORT.md).
         hedge_quantile, hedge_factor, hedge_floor_ms: the deadline, milliseconds after sending, is
             ``max(hedge_floor_ms, hedge_factor x quantile(hedge_quantile))`` of the group's recent
             call latencies (each answered call's own round trip).
@@ -164,6 +168,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     hedge_quantile: float = 0.95
     hedge_factor: float = 2.0
     hedge_floor_ms: float = 10.0
+    graph_hedge_floor_ms: float = 50.0
     hedge_window: int = 64
     hedge_min_samples: int = 8
     max_resident_experts: int | None = None
@@ -196,6 +201,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             raise ValueError(f"experts.hedge_factor must be >= 1, got {self.hedge_factor}")
         if not self.hedge_floor_ms >= 0:
             raise ValueError(f"experts.hedge_floor_ms must be >= 0, got {self.hedge_floor_ms}")
+        _require(self.graph_hedge_floor_ms >= 0, "experts.graph_hedge_floor_ms", ">= 0", self.graph_hedge_floor_ms)
         if not 1 <= self.hedge_min_samples <= self.hedge_window:
             raise ValueError(f"experts.hedge_min_samples must be >= 1 and <= experts.hedge_window, got "
                              f"{self.hedge_min_samples} and {self.hedge_window}")

@@ -325,7 +325,8 @@ class ExpertRouter:
 
     def _graph_hedge_ms(self, calls: list[Call]) -> float | None:
         """How long after its submission an execution carrying ``calls`` is hedged: the largest of
-        its groups' hedge deadlines (:class:`actors.hedging.HedgePolicy`), or None when hedging is
+        its groups' hedge deadlines (:class:`actors.hedging.HedgePolicy`), at least
+        ``experts.graph_hedge_floor_ms``, or None when hedging is
         off, a group has no other live replica or too few latencies, or the graph was hedged less
         than ``GRAPH_HEDGE_INTERVAL_S`` ago (each hedge costs a rebuild: load spikes must not
         make a storm of them)."""
@@ -333,7 +334,9 @@ class ExpertRouter:
             return None
         deadlines = [self.actor_calls.hedging.deadline_ms(g, len(self.pool.alive(g)))
                      for g in {c.record.group for c in calls}]
-        return None if None in deadlines or not deadlines else max(deadlines)
+        if None in deadlines or not deadlines:
+            return None
+        return max(self.pool.config.graph_hedge_floor_ms, *deadlines)
 
     def _graph_late(self, calls: list[Call], hedge_ms: float) -> None:
         """An execution missed its hedge deadline: the graph is gone (its outputs cannot be read),

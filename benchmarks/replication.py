@@ -109,7 +109,7 @@ def main() -> None:
                 first = r["imbalance_first"]  # the first dispatch, before any replica was added
             warm.append({"t_s": round(time.monotonic() - start, 1), "replicas": replicas(on),
                          "imbalance_mean": r["imbalance_mean"], "graph_share": r["graph_share"],
-                         "graph_rebuilds": on.graph.stats.rebuilds})
+                         "graph_rebuilds": on.graph.stats.rebuilds, "graph_hedges": on.num_graph_hedges})
             print("warm-up", warm[-1], flush=True)
             if replicas(on) != last:
                 last, stable_since = replicas(on), time.monotonic()
@@ -127,7 +127,8 @@ def main() -> None:
                          "graph_share": statistics.median(r["graph_share"] for r in reps),
                          "same_output": all(r["tokens"] == reference for r in reps),
                          "replicas_per_group": replicas(routers[name]),
-                         "graph_rebuilds": routers[name].graph.stats.rebuilds})
+                         "graph_rebuilds": routers[name].graph.stats.rebuilds,
+                         "graph_hedges": routers[name].num_graph_hedges})
         summary = {"first_dispatch_imbalance": first,
                    "on_imbalance_mean": rows[1]["imbalance_mean"], "goal_imbalance": 1.5,
                    "warmup_s": warm[-1]["t_s"], "on_over_off_tok_s": rows[1]["tok_s"] / rows[0]["tok_s"],

@@ -91,6 +91,7 @@ def test_the_deadline_is_a_factor_times_the_quantile_at_least_the_floor():
     ("hedge_quantile", 1.5, "experts.hedge_quantile must be in"),
     ("hedge_factor", 0.5, "experts.hedge_factor must be >= 1"),
     ("hedge_floor_ms", -1.0, "experts.hedge_floor_ms must be >= 0"),
+    ("graph_hedge_floor_ms", -1.0, "experts.graph_hedge_floor_ms must be >= 0"),
     ("hedge_min_samples", 0, "experts.hedge_min_samples must be >= 1"),
     ("hedge_min_samples", 65, "experts.hedge_min_samples must be >= 1 and <= experts.hedge_window"),
 ])
