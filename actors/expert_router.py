@@ -35,7 +35,7 @@ from actors.actor_calls import ActorCalls
 from actors.compiled_graph import ActorGraph
 from actors.expert_calls import Call, CallRecord, NullTelemetry, record_answer
 from actors.expert_pool import ExpertPool, Replica
-from actors.replica_choice import choose, is_avoided, probe_due, split_counts, straggler_bound_ms
+from actors.replica_choice import choose, is_avoided, probe_due, split_counts, straggler_bound_ms, unsuspected
 from actors.replication import Rebalancer
 from actors.wire import from_bytes, to_bytes
 from engine.model.moe import combine, dispatch
@@ -391,7 +391,7 @@ class ExpertRouter:
         if not all(own):
             raise RuntimeError("an expert group has no live replica yet")
         self._graph_version = self.pool.version
-        own = [[r for r in rs if not r.stats.suspect] or rs for rs in own]
+        own = [unsuspected(rs) for rs in own]
         best = [min(rs, key=lambda r: (r.stats.expected_ms(), r.index)) for rs in own]
         guests = [r for g in range(len(self.pool.groups)) for r in self.pool.alive(g) if r.host is not None]
         return best + guests, "forward_graph"

@@ -25,6 +25,12 @@ def straggler_bound_ms(config, reference_ms: float) -> float:
     return max(config.straggler_floor_ms, config.straggler_multiple * reference_ms)
 
 
+def unsuspected(replicas: Sequence[Replica]) -> list[Replica]:
+    """``replicas`` without the suspects of a late graph execution (``ActorStats.suspect``), unless
+    that leaves none."""
+    return [r for r in replicas if not r.stats.suspect] or list(replicas)
+
+
 def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, int]) -> list[Replica]:
     """The replicas, best first, that take ``rows`` rows of one group.
 
@@ -36,7 +42,7 @@ def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, in
     def expected(r: Replica) -> float:
         return r.stats.expected_ms(planned.get(id(r.stats), 0))
 
-    replicas = [r for r in replicas if not r.stats.suspect] or replicas
+    replicas = unsuspected(replicas)
     ranked = sorted(replicas, key=lambda r: (expected(r), r.outstanding_rows, r.index))
     bound_ms = straggler_bound_ms(config, expected(ranked[0]))
     fast = [r for r in ranked if expected(r) <= bound_ms]
