@@ -220,7 +220,7 @@ class ActorGraph:
                     execution.late = execution.dag is self._dag
                     if execution.late:
                         self.stats.late += 1
-                        self._teardowns.append(_teardown_in_background(self._drop(), self.name))
+                        self._retire()
                 else:
                     self._failed(execution.dag, e)
             return None
@@ -237,8 +237,7 @@ class ActorGraph:
             return
         self.stats.failures += 1
         log.warning("compiled %s graph failed (%s: %s); falling back to actor calls", self.name, type(e).__name__, e)
-        self._drop()
-        self._teardowns.append(_teardown_in_background(dag, self.name))
+        self._retire()
 
     def rebuild(self) -> None:
         """Drop the live graph (torn down in the background) and build one over the current
@@ -246,9 +245,8 @@ class ActorGraph:
         with self._lock:
             if self._dag is None:
                 return
-            dag = self._drop()
             self.stats.rebuilds += 1
-            self._teardowns.append(_teardown_in_background(dag, self.name))
+            self._retire()
             self._start_build()  # traffic is steady (the graph was in use): no build_after_s wait
 
     def build_now(self) -> None:
@@ -324,6 +322,10 @@ class ActorGraph:
                     self.stats.parks += 1
                 except Exception as e:
                     self._failed(self._dag, e)
+
+    def _retire(self) -> None:
+        """Drop the live graph and tear it down in the background (under the lock)."""
+        self._teardowns.append(_teardown_in_background(self._drop(), self.name))
 
     def _drop(self):
         """Forget the live graph (under the lock) and return it for a teardown; a parked one is

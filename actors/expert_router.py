@@ -330,13 +330,16 @@ class ExpertRouter:
         off, a group has no other live replica or too few latencies, or the graph was hedged less
         than ``GRAPH_HEDGE_INTERVAL_S`` ago (each hedge costs a rebuild: load spikes must not
         make a storm of them)."""
-        if time.monotonic() - self._graph_hedged_s < GRAPH_HEDGE_INTERVAL_S:
-            return None
-        deadlines = [self.actor_calls.hedging.deadline_ms(g, len(self.pool.alive(g)))
-                     for g in {c.record.group for c in calls}]
-        if None in deadlines or not deadlines:
-            return None
-        return max(self.pool.config.graph_hedge_floor_ms, *deadlines)
+        hedging = self.actor_calls.hedging
+        if not hedging.enabled or not calls or time.monotonic() - self._graph_hedged_s < GRAPH_HEDGE_INTERVAL_S:
+            return None  # checked first: this runs at every graph layer
+        longest_ms = self.pool.config.graph_hedge_floor_ms
+        for g in {c.record.group for c in calls}:
+            deadline_ms = hedging.deadline_ms(g, len(self.pool.alive(g)))
+            if deadline_ms is None:
+                return None
+            longest_ms = max(longest_ms, deadline_ms)
+        return longest_ms
 
     def _graph_late(self, calls: list[Call], hedge_ms: float) -> None:
         """An execution missed its hedge deadline: the graph is gone (its outputs cannot be read),

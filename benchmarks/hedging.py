@@ -189,13 +189,11 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in PHASES}
         for _ in range(args.repeats):  # interleaved: every phase once per repeat
             for name, slowed, hedge in PHASES:
-                straggler = Straggler(handle, args.slow_group, slow_replica(handle, args), args.delay_ms, args.flip_s)
                 handle.set_expert_hedging.remote(hedge).result()
                 if args.warm_requests:
                     asyncio.run(run_requests(url, config.model_name, prompts[:args.warm_requests], args.concurrency,
                                              args.max_tokens))
-                    straggler = Straggler(handle, args.slow_group, slow_replica(handle, args), args.delay_ms,
-                                          args.flip_s)
+                straggler = Straggler(handle, args.slow_group, slow_replica(handle, args), args.delay_ms, args.flip_s)
                 if slowed:
                     straggler.start()
                 before = handle.stats.remote().result()
