@@ -157,7 +157,7 @@ def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: i
     router = ExpertRouter(pool, torch.float32, graph=graph)
     drafter = RemoteDrafter(DraftActorSpec(e.draft_model, e.dtype, e.device, concurrency, None, None,
                                            f"bench-unit-draft-{concurrency}-{k}", x.namespace),
-                            graph_config=x if graph else None) if k else None
+                            graph_config=x if config.draft_transport == "compiled_graph" else None) if k else None
     target = load_model(e.model, e.dtype, e.device, experts=router)
     engine = LLMEngine(target, drafter or NoneDrafter(), k, _scheduler(config, concurrency, scheduler),
                        target.config.max_position_embeddings, speculative_policy=e.speculative_policy)
@@ -168,7 +168,7 @@ def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: i
     try:
         for w in range(20):  # warm-up until the graphs are live
             _drive(engine, ids[:concurrency], max_tokens, f"warm{w}")
-            if not graph or (router.graph.live and (drafter is None or drafter.graph.live)):
+            if not graph or (router.graph.live and (drafter is None or drafter.graph is None or drafter.graph.live)):
                 break
         with Timer() as t:
             tokens = _drive(engine, ids, max_tokens, "run")
