@@ -37,6 +37,9 @@ from actors.graph_park import PARK
 log = logging.getLogger(__name__)
 
 MESSAGE_OVERHEAD_BYTES = 64 * 1024  # one execution's pickling, counts and trace carriers, at most
+# Held while a graph picks its members and records them as bound (:attr:`ActorGraph.bound`), so that
+# two graphs over one pool (a live one and its standby) never pick the same actor.
+_SELECTING = threading.Lock()
 
 
 @dataclass
@@ -85,10 +88,17 @@ class ActorGraph:
         build_after_s: build only once the graph has been wanted (requests no more than
             ``idle_park_s`` apart) for this long: a build costs ~2 s of CPU, which on a small
             machine would delay a short burst more than actor calls do.
+        teardowns: the list of background teardowns a build waits for; graphs over the same actors
+            share one (an actor must leave its old graph, whichever, before joining a new one).
+
+    Attributes:
+        park_when_built: park the graph as soon as a build is live (a standby graph: its readers
+            would otherwise poll until the idle park).
     """
 
     def __init__(self, name: str, members: Callable[[], tuple[list, str]], warmup: Callable[[int], Any],
-                 timeout_s: float, idle_park_s: float, buffer_size_bytes: int, build_after_s: float = 0.0) -> None:
+                 timeout_s: float, idle_park_s: float, buffer_size_bytes: int, build_after_s: float = 0.0,
+                 teardowns: list[threading.Thread] | None = None) -> None:
         self.name, self._members, self._warmup = name, members, warmup
         self.timeout_s, self.build_after_s = timeout_s, build_after_s
         self.idle_park_s, self.buffer_size_bytes = idle_park_s, buffer_size_bytes
@@ -96,11 +106,13 @@ class ActorGraph:
         self._lock = threading.Lock()  # guards _dag: execute, publish and teardown never overlap
         self._dag = None
         self._actors: list = []
+        self._pending: list = []  # the members of the build under way
+        self.park_when_built = False
         self._inflight = 0  # executions submitted and not yet waited for (the janitor spares them)
         self._parking = None  # the parking execution's result ref while the graph is parked
         self._building = False
         self._closed = False
-        self._teardowns: list[threading.Thread] = []
+        self._teardowns: list[threading.Thread] = [] if teardowns is None else teardowns
         self._last_used = time.monotonic()
         self._wanted_since: float | None = None  # start of the current run of requests without a graph
         self._janitor = threading.Thread(target=self._janitor_loop, name=f"{name}-graph-janitor", daemon=True)
@@ -108,11 +120,11 @@ class ActorGraph:
 
     @classmethod
     def from_config(cls, name: str, members: Callable[[], tuple[list, str]], warmup: Callable[[int], Any],
-                    config) -> ActorGraph:
+                    config, teardowns: list[threading.Thread] | None = None) -> ActorGraph:
         """Timeout, idle teardown, channel size and build delay from an ``ExpertPoolConfig``
         (the ``experts`` section: one set of graph settings for the expert and draft graphs)."""
         return cls(name, members, warmup, config.call_timeout_s, config.graph_idle_park_s,
-                   config.graph_buffer_size_bytes, config.graph_build_after_s)
+                   config.graph_buffer_size_bytes, config.graph_build_after_s, teardowns)
 
     @property
     def live(self) -> bool:
@@ -132,6 +144,15 @@ class ActorGraph:
     def members(self) -> list:
         """The members inside the live graph, in bind order."""
         return list(self._actors)
+
+    @property
+    def building(self) -> bool:
+        return self._building
+
+    def bound(self) -> list:
+        """The members of the live graph or of the build under way; call it from a ``members``
+        function (it runs under the selection lock, so another graph's pick is complete)."""
+        return list(self._actors or self._pending)
 
     def fits(self, payload_bytes: int) -> bool:
         """Whether a message carrying ``payload_bytes`` of tensor bytes fits the channel buffer.
@@ -239,6 +260,12 @@ class ActorGraph:
         log.warning("compiled %s graph failed (%s: %s); falling back to actor calls", self.name, type(e).__name__, e)
         self._retire()
 
+    def retire(self) -> None:
+        """Drop the live graph (torn down in the background); no build is started."""
+        with self._lock:
+            if self._dag is not None:
+                self._retire()
+
     def rebuild(self) -> None:
         """Drop the live graph (torn down in the background) and build one over the current
         ``members()`` at once (they changed). Until it is live, requests get None."""
@@ -283,12 +310,14 @@ class ActorGraph:
 
         dag = None
         try:
-            for t in self._teardowns:  # an actor must leave its old graph before joining a new one
+            for t in list(self._teardowns):  # an actor must leave its old graph before joining a new one
                 t.join(timeout=max(60.0, self.timeout_s))
-            self._teardowns = [t for t in self._teardowns if t.is_alive()]
+            self._teardowns[:] = [t for t in self._teardowns if t.is_alive()]
             if self._teardowns:
                 raise RuntimeError("the previous graph is still being torn down")
-            actors, method = self._members()
+            with _SELECTING:
+                actors, method = self._members()
+                self._pending = actors
             with InputNode() as request:
                 node = MultiOutputNode([getattr(a.handle, method).bind(request, i) for i, a in enumerate(actors)])
             with graph_proxy.compiling(self):  # the driver proxy actor of this graph's earlier builds
@@ -300,13 +329,15 @@ class ActorGraph:
                     self._dag, self._actors, dag = dag, actors, None
                     self._last_used, self._wanted_since = time.monotonic(), None
                     self.stats.builds += 1
+                    if self.park_when_built:
+                        self._park()
         except Exception as e:
             self.stats.build_failures += 1
             graph_proxy.forget(self)
             log.warning("building the compiled %s graph failed (%s: %s); using actor calls",
                         self.name, type(e).__name__, e)
         finally:
-            self._building = False
+            self._building, self._pending = False, []
             if dag is not None:
                 _teardown(dag)
 
@@ -317,11 +348,15 @@ class ActorGraph:
                 if (self._dag is None or self._parking is not None or self._inflight
                         or time.monotonic() - self._last_used < self.idle_park_s):
                     continue
-                try:
-                    self._parking = self._dag.execute(PARK)
-                    self.stats.parks += 1
-                except Exception as e:
-                    self._failed(self._dag, e)
+                self._park()
+
+    def _park(self) -> None:
+        """Submit the parking execution (under the lock; the graph is live and idle)."""
+        try:
+            self._parking = self._dag.execute(PARK)
+            self.stats.parks += 1
+        except Exception as e:
+            self._failed(self._dag, e)
 
     def _retire(self) -> None:
         """Drop the live graph and tear it down in the background (under the lock)."""

@@ -102,6 +102,11 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         graph_build_after_s: (re)build a graph only after this long of steady traffic without one
             (steps no more than ``graph_idle_park_s`` apart): a build costs ~2 s of CPU, more than
             a short burst loses by going over actor calls.
+        graph_standby: where every expert group has a replica outside the live compiled graph (two
+            or more replicas a group, no guests), keep a second graph over them, parked, and switch
+            to it when the live one is dropped (a failure, a hedged execution, a straggling
+            member) instead of serving by actor calls until a rebuild is live
+            (actors/router_graphs.py).
         hedge: hedged expert calls. On the actor-call path (``actor_calls``, and the fallback while
             a compiled graph is not live) a call to a group with >= 2 live replicas that has not
             returned by its deadline is sent to another replica too, the first result is taken and
@@ -164,6 +169,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     graph_idle_park_s: float = 2.0
     graph_buffer_size_bytes: int = 1_000_000
     graph_build_after_s: float = 1.0
+    graph_standby: bool = True
     hedge: bool = True
     hedge_quantile: float = 0.95
     hedge_factor: float = 2.0

@@ -32,23 +32,19 @@ import ray
 import torch
 
 from actors.actor_calls import ActorCalls
-from actors.compiled_graph import ActorGraph
 from actors.expert_calls import Call, CallRecord, NullTelemetry, record_answer
 from actors.expert_pool import ExpertPool, Replica
-from actors.replica_choice import choose, is_avoided, probe_due, split_counts, straggler_bound_ms, unsuspected
+from actors.replica_choice import choose, probe_due, split_counts, straggler_bound_ms
 from actors.replication import Rebalancer
+from actors.router_graphs import RouterGraphs
 from actors.wire import from_bytes, to_bytes
 from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
 
 log = logging.getLogger(__name__)
 
-# Least time between two hedged graph executions: each drops the graph and builds another (~0.15 s
-# of CPU on the 2-core dev VM), so a load spike that makes many executions late costs one rebuild.
-GRAPH_HEDGE_INTERVAL_S = 2.0
 
-
-class ExpertRouter:
+class ExpertRouter(RouterGraphs):
     """``ExpertExecutor`` over an :class:`ExpertPool`, called from the engine thread only.
 
     Args:
@@ -62,8 +58,7 @@ class ExpertRouter:
     def __init__(self, pool: ExpertPool, dtype: torch.dtype, telemetry: NullTelemetry | None = None,
                  graph: bool = False) -> None:
         self.pool, self.dtype = pool, dtype
-        self.graph = ActorGraph.from_config("expert", self._graph_members, lambda n: (None, [None] * n, 0.0),
-                                            pool.config) if graph else None
+        self._init_graphs(graph)  # self.graph (the live one) and self.standby (actors/router_graphs.py)
         self.telemetry = telemetry or NullTelemetry()
         self.actor_calls = ActorCalls(pool, self.telemetry)  # every layer without a live graph, retries, probes
         self.num_graph_layers = 0
@@ -72,19 +67,12 @@ class ExpertRouter:
         self.num_probes = 0
         replication = pool.config.replication
         self.rebalancer = Rebalancer(pool, replication, ray) if replication.enabled else None
-        self._graph_version = -1  # the pool version the graph being built or live was made from
         # max/mean rows per expert actor of each recent dispatch (the balance replication aims at)
         self.actor_imbalance: deque[float] = deque(maxlen=4096)
         self.prefetch_enabled = pool.config.offload_settings() is not None and pool.config.prefetch
         self._hint: tuple[int, list[int]] | None = None
         self.overlap = pool.config.two_batch_overlap
         self._actor_free_s: dict[int, float] = {}  # when each actor finished our latest call (wall s)
-        self._graph_latency_ms: dict[int, deque] = {}  # each actor's last call latencies in the live graph
-        self._graph_builds_seen = 0  # graph.stats.builds when _graph_latency_ms was started
-        self.num_graph_hedges = 0  # graph executions given up at their hedge deadline
-        self._suspects: list = []  # ActorStats of the latest late execution's members
-        self._suspects_until_build = 0  # graph.stats.builds that clears them
-        self._graph_hedged_s = -GRAPH_HEDGE_INTERVAL_S  # time.monotonic() of the latest
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         """The model's prediction for the next MoE layer: sent with this layer's calls (offload)."""
@@ -150,7 +138,7 @@ class ExpertRouter:
             self.telemetry.end_dispatch(ctx, layer, expert_counts, records, f"{type(e).__name__}: {e}")
             raise
         if execution is not None:  # counted after its own submission: another micro-batch's is still out
-            self.num_overlapped_layers += self.graph.inflight > 1
+            self.num_overlapped_layers += execution[0].inflight > 1
 
         def finish() -> torch.Tensor:
             error = None
@@ -160,9 +148,9 @@ class ExpertRouter:
                     # Replaced at once, not once no execution is out: an execution still out
                     # (the other micro-batch's) queues behind the straggler; dropping the graph
                     # sends it by actor calls now (its wait returns None).
-                    self.graph.rebuild()
+                    self._replace_graph()
                 if results is None and members and calls:
-                    late = execution is not None and execution[0].late
+                    late = execution is not None and execution[1].late
                     self._abandon(calls, "compiled graph past its hedge deadline" if late
                                   else "compiled graph failed or replaced")
                 if results is None:
@@ -184,29 +172,13 @@ class ExpertRouter:
         return finish
 
     def _between_dispatches(self) -> None:
-        """Let the rebalancer act, rebuild a stale graph."""
+        """Let the rebalancer act, rebuild a stale graph, look after the standby."""
         if self.rebalancer is not None:
             try:
                 self.rebalancer.step()
             except Exception:  # replication is an optimisation: never a request's failure
                 log.warning("expert rebalancing failed", exc_info=True)
-        if self.graph is None or not self.graph.live:
-            return
-        stale = self._graph_version != self.pool.version
-        if stale:
-            self.graph.rebuild()  # this and the next layers go by actor calls until it is live again
-
-    def _live_members(self) -> list[Replica] | None:
-        if self.graph is None:
-            return None
-        if self._suspects and self.graph.stats.builds >= self._suspects_until_build:
-            for stats in self._suspects:  # the graph built without them is live: usable again
-                stats.suspect = False
-            self._suspects = []
-        if not self.graph.live:
-            self.graph.request_build()  # in the background; this layer goes by actor calls
-            return None
-        return self.graph.members
+        self._maintain_graphs()
 
     def _plan(self, layer: int, rows: torch.Tensor, w: torch.Tensor, expert_counts: list[int],
               members: list[Replica] | None, hint: tuple[int, list[int]] | None = None) -> list[Call] | None:
@@ -276,8 +248,10 @@ class ExpertRouter:
                     self.num_probes += 1
 
     def _submit_graph(self, layer: int, calls: list[Call], ctx: Any, members: list[Replica]):
-        """Submit the layer as one compiled-graph execution (None: no graph is live any more)."""
-        self.graph.wake()  # a parked graph's wake-up is not the calls' latency
+        """Submit the layer as one compiled-graph execution: ``(graph, execution, member index)``,
+        or None (no graph is live any more)."""
+        graph = self.graph
+        graph.wake()  # a parked graph's wake-up is not the calls' latency
         sent_s = time.time()
         index = {id(m): i for i, m in enumerate(members)}
         per_member: list = [None] * len(members)
@@ -288,8 +262,8 @@ class ExpertRouter:
                     c.hint)
             per_member[index[id(c.replica)]] = call if c.replica.host is None else (*call, c.record.expert_ids)
             c.replica.stats.last_call_s = time.monotonic()
-        execution = self.graph.submit((layer, per_member, sent_s))
-        return None if execution is None else (execution, index)
+        execution = graph.submit((layer, per_member, sent_s))
+        return None if execution is None else (graph, execution, index)
 
     def _wait_graph(self, calls: list[Call], submitted: tuple) -> list | None:
         """The outputs of a submitted execution, or None (the graph failed: use actor calls).
@@ -297,11 +271,11 @@ class ExpertRouter:
         A call's own latency starts when it was sent or when its actor finished this router's
         previous call, whichever is later: behind another micro-batch's execution it queued, and
         queueing behind our own work must not make the actor look like a straggler."""
-        execution, index = submitted
+        graph, execution, index = submitted  # the live graph may have changed since (the other micro-batch)
         hedge_ms = self._graph_hedge_ms(calls)
-        results = self.graph.wait(execution, None if hedge_ms is None else hedge_ms / 1e3)
+        results = graph.wait(execution, None if hedge_ms is None else hedge_ms / 1e3)
         if execution.late:
-            self._graph_late(calls, hedge_ms)
+            self._graph_late(calls, hedge_ms, graph)
         if results is None:
             return None
         out, samples = [], self._graph_samples()
@@ -323,82 +297,6 @@ class ExpertRouter:
             self.telemetry.abandon_call(c.record, reason)
             c.record.attempts, c.replica = 0, None
 
-    def _graph_hedge_ms(self, calls: list[Call]) -> float | None:
-        """How long after its submission an execution carrying ``calls`` is hedged: the largest of
-        its groups' hedge deadlines (:class:`actors.hedging.HedgePolicy`), at least
-        ``experts.graph_hedge_floor_ms``, or None when hedging is
-        off, a group has no other live replica or too few latencies, or the graph was hedged less
-        than ``GRAPH_HEDGE_INTERVAL_S`` ago (each hedge costs a rebuild: load spikes must not
-        make a storm of them)."""
-        hedging = self.actor_calls.hedging
-        if not hedging.enabled or not calls or time.monotonic() - self._graph_hedged_s < GRAPH_HEDGE_INTERVAL_S:
-            return None  # checked first: this runs at every graph layer
-        longest_ms = self.pool.config.graph_hedge_floor_ms
-        for g in {c.record.group for c in calls}:
-            deadline_ms = hedging.deadline_ms(g, len(self.pool.alive(g)))
-            if deadline_ms is None:
-                return None
-            longest_ms = max(longest_ms, deadline_ms)
-        return longest_ms
-
-    def _graph_late(self, calls: list[Call], hedge_ms: float) -> None:
-        """An execution missed its hedge deadline: the graph is gone (its outputs cannot be read),
-        this layer goes by actor calls, and a graph is built at once without the straggler.
-
-        Which member was late cannot be read, so every member that had rows is a suspect
-        (``ActorStats.suspect``): no call or graph goes to it while its group has another usable
-        replica, until the graph built now is live. Its latency view alone would not do: raised to
-        the deadline, it was still within the straggler rule of a loaded replica, and the rebuilt
-        graph took the straggler back (measured). A member wrongly suspected is used again then."""
-        self._graph_hedged_s = time.monotonic()
-        self.num_graph_hedges += 1
-        for c in calls:
-            c.record.hedges += 1
-            c.replica.stats.suspect = True
-            self._suspects.append(c.replica.stats)
-            self.telemetry.hedge_call(c.record, c.replica.name, "another replica", hedge_ms)
-        self._suspects_until_build = self.graph.stats.builds + 1
-        self.graph.build_now()
-
-    def _graph_straggler(self, members: list[Replica]) -> Replica | None:
-        """A member of the live graph to replace: in each of its last two executions of *this*
-        graph it was slower than the straggler rule allows against the median of the other
-        members' latest (the same executions, under the same load: machine-wide slowness alone
-        flags nobody, one scheduling hiccup neither, and views from before this graph, e.g. of
-        actor calls during its build, do not count), and a replica of its group outside the graph
-        is never measured or faster by the same rule."""
-        samples, cfg = self._graph_samples(), self.pool.config
-        own = [m for m in members if m.host is None]
-        for m in own:
-            mine = samples.get(id(m.stats), ())
-            others = [samples[id(x.stats)][-1] for x in own if x is not m and id(x.stats) in samples]
-            if len(mine) < 2 or not others or min(mine) <= straggler_bound_ms(cfg, median_high(others)):
-                continue
-            self.actor_calls.losers.reap()  # probes of the replicas outside, answered meanwhile
-            outside = [r for r in self.pool.alive(m.group) if r.host is None and not any(r is x for x in members)]
-            if any(not r.stats.ewma_latency_ms or is_avoided(m, [r], cfg) for r in outside):
-                return m
-        return None
-
-    def _graph_samples(self) -> dict[int, deque]:
-        """Each actor's last two call latencies (ms) in the live graph, by ``id(stats)``; empty
-        for a graph built since (no evidence about it yet)."""
-        if self._graph_builds_seen != self.graph.stats.builds:
-            self._graph_builds_seen, self._graph_latency_ms = self.graph.stats.builds, {}
-        return self._graph_latency_ms
-
-    def _graph_members(self) -> tuple[list[Replica], str]:
-        """The fastest live replica of every group, then every usable guest (its host's actor is
-        bound once more: a guest call is a second task of that actor per execution)."""
-        own = [[r for r in self.pool.alive(g) if r.host is None] for g in range(len(self.pool.groups))]
-        if not all(own):
-            raise RuntimeError("an expert group has no live replica yet")
-        self._graph_version = self.pool.version
-        own = [unsuspected(rs) for rs in own]
-        best = [min(rs, key=lambda r: (r.stats.expected_ms(), r.index)) for rs in own]
-        guests = [r for g in range(len(self.pool.groups)) for r in self.pool.alive(g) if r.host is not None]
-        return best + guests, "forward_graph"
-
     def replication_stats(self) -> dict:
         """Usable replicas per group, guests added/removed, and the mean max/mean rows per actor of
         the latest 256 dispatches (verifier stats, benchmarks)."""
@@ -409,5 +307,4 @@ class ExpertRouter:
                 "actor_imbalance_recent": sum(recent) / len(recent) if recent else None}
 
     def close(self) -> None:
-        if self.graph is not None:
-            self.graph.close()
+        self._close_graphs()

@@ -213,6 +213,8 @@ def main() -> None:
                                    "graph_builds": after["transport"].get("builds", 0)
                                    - before["transport"].get("builds", 0),
                                    "graph_late": after["transport"].get("late", 0) - before["transport"].get("late", 0),
+                                   "graph_takeovers": after["transport"].get("graph_takeovers", 0)
+                                   - before["transport"].get("graph_takeovers", 0),
                                    "e2e_s": [round(x, 3) for x in e2e_s],
                                    "graph_share": layers["graph_layers"] / max(1, sum(layers.values()))})
         for name, reps in runs.items():  # the median repeat of each phase (by p99)

@@ -61,9 +61,18 @@ class FakeGraph:
     request; an execution runs every member's ``forward_graph`` in-process (a delayed member's
     worker sleeps its delay, as the real actor would)."""
 
+    building = parked = False
+    park_when_built = False
+
     def __init__(self, members) -> None:
         self._members_fn, self.members, self.rebuilds, self.executions = members, [], 0, 0
         self.stats = GraphStats()
+
+    def bound(self) -> list:
+        return list(self.members)
+
+    def retire(self) -> None:
+        self.members = []
 
     @property
     def live(self) -> bool:
@@ -263,6 +272,49 @@ def test_a_late_graph_execution_goes_to_other_replicas_and_the_rebuilt_graph_lea
     assert router.graph.live and not any(m is old for m in router.graph.members for old in members)
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
     assert not any(m.stats.suspect for m in members)  # the new graph is live: usable again
+
+
+def _with_standby(router: ExpertRouter) -> list[FakeGraph]:
+    """A live graph and a standby over the router's rules (each graph's members by its role)."""
+    graphs: list[FakeGraph] = []
+    for i in range(2):
+        graphs.append(FakeGraph(lambda i=i: router._members_of(graphs[i])))
+    router.graph, router.standby = graphs
+    return graphs
+
+
+def test_a_late_execution_switches_to_the_standby_graph_with_no_build_and_no_actor_call_layer(fake_ray):
+    """Two replicas a group: once the live graph has run and the replicas outside it have been
+    probed, a standby graph is built over them. A late execution makes the standby the live graph
+    at once: the next layer runs on it, output identical. No new standby is built while the
+    straggler left out is avoided (the only replica of its group outside the live graph). Without
+    the standby the same late execution is followed by actor-call layers until a rebuild is live
+    (the test above)."""
+    router = _router(**dict(CHOICE, hedge=True, hedge_min_samples=2, hedge_floor_ms=50.0, probe_interval_s=0.05))
+    first, second = _with_standby(router)
+    rows, weights, counts = _rows(seed=5)
+    expected = _expected(rows, weights, counts)
+    for _ in range(30):  # the live graph is built, runs, and the replicas outside it get probed
+        torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+        if second.live:
+            break
+        time.sleep(0.02)
+    assert first.live and second.live and not router.num_graph_hedges
+    assert {id(r) for r in first.members}.isdisjoint(id(r) for r in second.members)
+    members = first.members
+    members[1].handle.set_delay_ms.remote(300.0)
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert router.num_graph_hedges == 1 and router.num_graph_takeovers == 1
+    assert router.graph is second and router.standby is first and not first.live
+    layers = (router.num_graph_layers, router.num_call_layers)
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert (router.num_graph_layers, router.num_call_layers) == (layers[0] + 1, layers[1])  # on the standby
+    assert not any(m.stats.suspect for m in members)  # a graph without them is live
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # the straggler's probe is answered (300 ms) within this
+        torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+        time.sleep(0.05)
+    assert members[1].stats.ewma_latency_ms > 50.0 and not first.live  # avoided: no standby over it
 
 
 def test_a_straggling_member_has_its_groups_outside_replica_probed_at_once(fake_ray):

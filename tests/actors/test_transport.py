@@ -15,8 +15,9 @@ import torch
 from actors.config import ExpertPoolConfig
 from actors.draft_server import DraftActorSpec, RemoteDrafter
 from actors.expert_pool import ExpertPool
-from actors.expert_router import GRAPH_HEDGE_INTERVAL_S, ExpertRouter
+from actors.expert_router import ExpertRouter
 from actors.graph_park import GraphParking
+from actors.router_graphs import GRAPH_HEDGE_INTERVAL_S
 from engine import SamplingParams
 from engine.checkpoint import CheckpointReader
 from engine.config import load_model_config
@@ -126,36 +127,47 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
 
 
-def test_a_graph_member_turned_straggler_is_hedged_by_actor_calls_and_left_out_of_the_rebuild(served):
+@pytest.mark.parametrize("standby", [False, True], ids=["rebuild", "standby"])
+def test_a_graph_member_turned_straggler_is_hedged_by_actor_calls_and_left_out_of_the_next_graph(served, standby):
+    """A late execution is given up at its deadline; the next graph leaves the straggler out: a
+    rebuild, or (``graph_standby``) the parked standby graph over the other replicas, live at once."""
     # 2 groups x 2 replicas; a 50 ms floor keeps a loaded CI machine's hiccups from hedging.
     config = ExpertPoolConfig(experts_per_actor=4, replicas=2, call_timeout_s=10.0, hedge_min_samples=2,
-                              hedge_floor_ms=50.0, probe_interval_s=0.2)
-    pool = ExpertPool(TARGET, 8, config, prefix=f"test-graph-hedge-{os.getpid()}", detached=False)
+                              hedge_floor_ms=50.0, probe_interval_s=0.2, graph_standby=standby)
+    pool = ExpertPool(TARGET, 8, config, prefix=f"test-graph-hedge-{standby:d}-{os.getpid()}", detached=False)
     pool.start()
     pool.wait_loaded(120)
     router = ExpertRouter(pool, torch.float32, graph=True)
     try:
         hidden, routing = _layer_inputs(9, seed=6)  # rows for both groups
         expected = _expected(1, hidden, routing)
-        _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+        ready = (lambda: router.graph.live and router.standby.live) if standby else (lambda: router.graph.live)
+        # Layers build the graph, probe the replicas outside it, then build the standby over those.
+        _wait(ready, 120, "the compiled graph", poke=lambda: router.execute(1, hidden, routing))
         for _ in range(4):  # graph latencies for both groups' hedge deadlines; probes of the others
             torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
             time.sleep(0.25)
-        # A hiccup of a loaded machine may have hedged already: its graph live again, its interval over.
-        _wait(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+        # A hiccup of a loaded machine may have hedged already: its graphs live again, its interval over.
+        _wait(ready, 120, "the compiled graph", poke=lambda: router.execute(1, hidden, routing))
         time.sleep(max(0.0, GRAPH_HEDGE_INTERVAL_S - (time.monotonic() - router._graph_hedged_s)))
-        hedges, late, failures = router.num_graph_hedges, router.graph.stats.late, router.graph.stats.failures
+        before = router.graph_stats()
+        hedges, takeovers = router.num_graph_hedges, router.num_graph_takeovers
         straggler = router.graph.members[0]
+        assert not standby or router.standby.parked  # the standby polls nothing while it waits
         ray.get(straggler.handle.set_delay_ms.remote(3000.0))
         start = time.monotonic()
         out = router.execute(1, hidden, routing)
         elapsed_s = time.monotonic() - start
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
         assert elapsed_s < 1.5, f"the layer waited {elapsed_s:.2f} s for a 3 s straggler"
-        assert (router.num_graph_hedges, router.graph.stats.late, router.graph.stats.failures) == (
-            hedges + 1, late + 1, failures)
-        # The graph is rebuilt at once (after the straggler's call ends) over the other replica of its group.
-        _wait(lambda: router.graph.live, 120, "the rebuilt graph")
+        after = router.graph_stats()
+        assert (router.num_graph_hedges, after["late"], after["failures"]) == (
+            hedges + 1, before["late"] + 1, before["failures"])
+        assert router.num_graph_takeovers == takeovers + standby
+        if standby:  # live at once, no build: the next layer runs on it
+            assert router.graph.live and after["builds"] == before["builds"]
+        else:  # rebuilt at once (after the straggler's call ends) over the other replica of its group
+            _wait(lambda: router.graph.live, 120, "the rebuilt graph")
         assert all(m is not straggler for m in router.graph.members)
         graph_layers = router.num_graph_layers
         torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
