@@ -52,8 +52,7 @@ class RouterGraphs:
         self.standby = self._new_graph("expert-standby", teardowns) if with_standby else None
         if self.standby is not None:
             self.standby.park_when_built = True
-        self._graph_version = -1  # the pool version the live graph (being built or live) was made from
-        self._standby_version = -1
+        self._graph_version = -1  # the pool version the live graph was made from, or last found current for
         self._standby_after_s = 0.0  # time.monotonic() before which no standby is built
         self.num_graph_takeovers = 0  # live graphs dropped and replaced at once by the standby
         self._graph_latency_ms: dict[int, deque] = {}  # each actor's last call latencies in the live graph
@@ -93,21 +92,19 @@ class RouterGraphs:
         chosen = self._standby_candidates(self.graph.bound())
         if chosen is None:
             raise RuntimeError("not every expert group has a measured, usable replica outside the live graph")
-        self._standby_version = self.pool.version
         return chosen, "forward_graph"
 
     def _standby_candidates(self, live: list[Replica]) -> list[Replica] | None:
         """One replica of every group outside ``live`` (the live graph's members), or None: a group
         has none that is its own actor (no guests anywhere: a guest's host is bound in the live
-        graph), measured, not a suspect and not avoided by the straggler rule against the live
-        graph's member of its group."""
-        if not live or any(r.host is not None for g in range(len(self.pool.groups)) for r in self.pool.alive(g)):
+        graph), measured, not a suspect and not slow (:meth:`_standby_slow`)."""
+        if not live or self._guests():
             return None
         chosen = []
         for g in range(len(self.pool.groups)):
             mine = [m for m in live if m.group == g]
             usable = [r for r in self.pool.alive(g) if not any(r is m for m in live) and r.stats.ewma_latency_ms
-                      and not r.stats.suspect and not is_avoided(r, mine, self.pool.config)]
+                      and not r.stats.suspect and not self._standby_slow(r, mine)]
             if not usable:
                 return None
             chosen.append(min(usable, key=lambda r: (r.stats.expected_ms(), r.index)))
@@ -132,7 +129,7 @@ class RouterGraphs:
         if self.graph is None or not self.graph.live:
             return
         standby = self.standby
-        if self._graph_version != self.pool.version:
+        if self._graph_stale():
             if standby is not None:
                 standby.retire()  # before the rebuild, which may bind its actors
             self.graph.rebuild()  # this and the next layers go by actor calls until it is live again
@@ -145,12 +142,40 @@ class RouterGraphs:
               and self._standby_candidates(self.graph.members) is not None):
             standby.build_now()
 
+    def _guests(self) -> list[Replica]:
+        return [r for g in range(len(self.pool.groups)) for r in self.pool.alive(g) if r.host is not None]
+
+    def _graph_stale(self) -> bool:
+        """Whether the replicas changed since the live graph was made (``pool.version``) in a way
+        that concerns it: a member gone, or the usable guests changed. A replica re-created outside
+        it (a dead one found by an actor call or probe, or the member a standby took over from)
+        does not: that graph stays."""
+        if self._graph_version == self.pool.version:
+            return False
+        members = self.graph.members
+        bound = {id(m) for m in members if m.host is not None}
+        if any(not m.alive for m in members) or bound != {id(r) for r in self._guests()}:
+            return True
+        self._graph_version = self.pool.version
+        return False
+
     def _standby_fits(self) -> bool:
-        """Whether the live standby can take over: made from this pool version, every member
-        alive, none avoided against the live graph's member of its group."""
-        live, cfg = self.graph.members, self.pool.config
-        return self._standby_version == self.pool.version and all(
-            m.alive and not is_avoided(m, [x for x in live if x.group == m.group], cfg) for m in self.standby.members)
+        """Whether the live standby can take over: no guests (they bind the live graph's actors),
+        every member alive and not slow (:meth:`_standby_slow`)."""
+        live = self.graph.members
+        return not self._guests() and all(
+            m.alive and not self._standby_slow(m, [x for x in live if x.group == m.group]) for m in self.standby.members)
+
+    def _standby_slow(self, replica: Replica, live: list[Replica]) -> bool:
+        """The straggler rule against ``live`` (the live graph's members of the replica's group),
+        with ``experts.graph_hedge_floor_ms`` as its floor: a standby member is measured by probes
+        (one actor call each, a few ms on a busy 2-core VM), and one above the 5 ms straggler floor
+        retired the standby (a rebuild's CPU) several times a minute with nothing slow; one slower
+        than the live member by less than the graph floor still beats actor-call layers."""
+        cfg = self.pool.config
+        best = [m.stats.expected_ms() for m in live if m.stats.ewma_latency_ms]
+        return bool(best) and replica.stats.expected_ms() > max(cfg.graph_hedge_floor_ms,
+                                                                cfg.straggler_multiple * min(best))
 
     def _standby_ready(self) -> bool:
         return self.standby is not None and self.standby.live and self._standby_fits()
@@ -162,7 +187,7 @@ class RouterGraphs:
             return False
         self.graph, self.standby = standby, self.graph
         self.graph.park_when_built, self.standby.park_when_built = False, True
-        self._graph_version, self._standby_version = self._standby_version, self._graph_version
+        self._graph_version = -1  # checked against the pool at the next dispatch (_graph_stale)
         self.num_graph_takeovers += 1
         log.info("the standby expert graph took over (%s)", ", ".join(r.name for r in self.graph.members))
         # A new standby once the replicas left have been probed (a probe goes out within one
@@ -255,7 +280,7 @@ class RouterGraphs:
         totals = {k: sum(g.stats.as_dict()[k] for g in graphs) for k in self.graph.stats.as_dict()}
         return {"graph_live": self.graph.live, "graph_parked": self.graph.parked,
                 "graph_members": [r.name for r in self.graph.members],
-                "standby_live": bool(self.standby and self.standby.live),
+                "standby_enabled": self.standby is not None, "standby_live": bool(self.standby and self.standby.live),
                 "standby_members": [r.name for r in self.standby.members] if self.standby else [],
                 "graph_takeovers": self.num_graph_takeovers, **totals}
 

@@ -21,7 +21,9 @@ transport a straggling graph member makes the router probe its group's other rep
 rebuild the graph without it (actor calls, latency-aware and hedged, in the meantime); with hedging on, an
 execution past its groups' hedge deadline is given up at once (actors/expert_router.py). A deadline
 needs a few known latencies: ``--warm-requests N`` lets each phase serve N requests before the
-straggler is slowed (a replica turning slow while serving). ``--flip-s S`` makes the straggler intermittent instead: every S
+straggler is slowed (a replica turning slow while serving), and again until the standby graph is
+live where the server keeps one (``experts.graph_standby``; the previous phase may have used it;
+``--no-standby`` turns it off, for a comparison in the same conditions). ``--flip-s S`` makes the straggler intermittent instead: every S
 seconds the delay moves to the group's other replica, so the replica the router prefers turns slow
 and is chosen until its latency view catches up (what hedging is for).
 
@@ -90,7 +92,7 @@ def server_config(args: argparse.Namespace):
     raw = msgspec.to_builtins(load_yaml(str(ROOT / "configs/embedded.yaml"), ServeConfig))
     raw["experts"].update(transport=args.transport, replicas=2, experts_per_actor=args.experts_per_actor,
                           hedge=True, hedge_factor=args.hedge_factor, hedge_floor_ms=args.hedge_floor_ms,
-                          straggler_floor_ms=args.straggler_floor_ms)
+                          straggler_floor_ms=args.straggler_floor_ms, graph_standby=not args.no_standby)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         raw["http"]["port"] = s.getsockname()[1]
@@ -115,6 +117,20 @@ def slow_replica(handle, args: argparse.Namespace) -> int:
         if tag in name and "+" not in name:  # "+": a guest replica on another group's actor
             return int(name.split(tag)[1].split("-")[0])
     return 0
+
+
+def warm_until_standby(handle, warm, limit_s: float = 15.0) -> None:
+    """Run ``warm`` (the warm-up requests) once, and again until the standby graph is live where
+    the server keeps one (``experts.graph_standby``, two replicas a group) or ``limit_s`` passed:
+    a phase right after a straggler phase would otherwise start while the standby the last one
+    used is being replaced (it is rebuilt once probes have measured the replicas left)."""
+    deadline = time.monotonic() + limit_s
+    warm()
+    while time.monotonic() < deadline:
+        transport = handle.stats.remote().result()["transport"]
+        if not transport.get("standby_enabled") or transport["standby_live"]:
+            return
+        warm()
 
 
 class Straggler:
@@ -170,6 +186,8 @@ def main() -> None:
     parser.add_argument("--hedge-floor-ms", type=float, default=10.0)
     parser.add_argument("--straggler-floor-ms", type=float, default=5.0,
                         help="experts.straggler_floor_ms: the straggler rule ignores latencies below it")
+    parser.add_argument("--no-standby", action="store_true",
+                        help="experts.graph_standby false: a dropped graph is rebuilt, actor calls meanwhile")
     parser.add_argument("--save-result")
     args = parser.parse_args()
 
@@ -191,8 +209,8 @@ def main() -> None:
             for name, slowed, hedge in PHASES:
                 handle.set_expert_hedging.remote(hedge).result()
                 if args.warm_requests:
-                    asyncio.run(run_requests(url, config.model_name, prompts[:args.warm_requests], args.concurrency,
-                                             args.max_tokens))
+                    warm_until_standby(handle, lambda: asyncio.run(run_requests(
+                        url, config.model_name, prompts[:args.warm_requests], args.concurrency, args.max_tokens)))
                 straggler = Straggler(handle, args.slow_group, slow_replica(handle, args), args.delay_ms, args.flip_s)
                 if slowed:
                     straggler.start()

@@ -101,9 +101,15 @@ class FakeGraph:
         # run at wait: the members' order is what the test checks
         return SimpleNamespace(build=self.stats.builds, request=request, late=False)
 
+    fail_next = False  # the next execution fails (a member died): the graph is dropped
+
     def wait(self, submitted, hedge_after_s=None):
         if not self.members or submitted.build != self.stats.builds:
             return None  # the graph it went to was dropped, as the real one
+        if self.fail_next:
+            self.members, self.fail_next = [], False
+            self.stats.failures += 1
+            return None
         start = time.monotonic()
         out = self.execute(submitted.request)
         if hedge_after_s is not None and time.monotonic() - start > hedge_after_s:
@@ -291,15 +297,10 @@ def test_a_late_execution_switches_to_the_standby_graph_with_no_build_and_no_act
     the standby the same late execution is followed by actor-call layers until a rebuild is live
     (the test above)."""
     router = _router(**dict(CHOICE, hedge=True, hedge_min_samples=2, hedge_floor_ms=50.0, probe_interval_s=0.05))
-    first, second = _with_standby(router)
     rows, weights, counts = _rows(seed=5)
     expected = _expected(rows, weights, counts)
-    for _ in range(30):  # the live graph is built, runs, and the replicas outside it get probed
-        torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
-        if second.live:
-            break
-        time.sleep(0.02)
-    assert first.live and second.live and not router.num_graph_hedges
+    first, second = _with_live_standby(router, rows, weights, counts)
+    assert first.live and not router.num_graph_hedges
     assert {id(r) for r in first.members}.isdisjoint(id(r) for r in second.members)
     members = first.members
     members[1].handle.set_delay_ms.remote(300.0)
@@ -315,6 +316,38 @@ def test_a_late_execution_switches_to_the_standby_graph_with_no_build_and_no_act
         torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
         time.sleep(0.05)
     assert members[1].stats.ewma_latency_ms > 50.0 and not first.live  # avoided: no standby over it
+
+
+def _with_live_standby(router: ExpertRouter, rows, weights, counts) -> list[FakeGraph]:
+    graphs = _with_standby(router)
+    for _ in range(30):  # the live graph is built, runs, and the replicas outside it get probed
+        router.run_layer(LAYER, rows, weights, counts)
+        if graphs[1].live:
+            return graphs
+        time.sleep(0.02)
+    raise AssertionError("no standby graph was built")
+
+
+@pytest.mark.parametrize("cause", ["failure", "straggler"])
+def test_a_failed_graph_or_a_straggling_member_hands_over_to_the_standby(fake_ray, cause):
+    """A failed execution (a member died) or a member that straggled in two executions: the layer
+    after it runs on the standby graph, not by actor calls, output identical."""
+    router = _router(**dict(CHOICE, straggler_floor_ms=50.0, probe_interval_s=0.05))
+    rows, weights, counts = _rows(seed=9)
+    expected = _expected(rows, weights, counts)
+    first, second = _with_live_standby(router, rows, weights, counts)
+    if cause == "failure":
+        first.fail_next = True
+        torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    else:
+        first.members[1].handle.set_delay_ms.remote(200.0)
+        for _ in range(2):  # two slow executions: replaced at once
+            torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+        assert not first.live
+    layers = (router.num_graph_layers, router.num_call_layers)
+    torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
+    assert router.graph is second and router.num_graph_takeovers == 1
+    assert (router.num_graph_layers, router.num_call_layers) == (layers[0] + 1, layers[1])
 
 
 def test_a_straggling_member_has_its_groups_outside_replica_probed_at_once(fake_ray):

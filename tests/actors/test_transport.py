@@ -127,6 +127,33 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
 
 
+def test_an_actor_killed_under_the_graph_hands_the_next_layer_to_the_standby_graph(served):
+    """Two replicas a group: the layer whose execution fails is redone by actor calls, and the next
+    ones run on the standby graph at once, with the same output and no build."""
+    config = ExpertPoolConfig(experts_per_actor=4, replicas=2, call_timeout_s=10.0, probe_interval_s=0.2, hedge=False)
+    pool = ExpertPool(TARGET, 8, config, prefix=f"test-graph-standby-kill-{os.getpid()}", detached=False)
+    pool.start()
+    pool.wait_loaded(120)
+    router = ExpertRouter(pool, torch.float32, graph=True)
+    try:
+        hidden, routing = _layer_inputs(9, seed=8)  # rows for both groups
+        expected = _expected(1, hidden, routing)
+        _wait(lambda: router.graph.live and router.standby.live, 120, "the graph and its standby",
+              poke=lambda: router.execute(1, hidden, routing))
+        victim, standby = router.graph.members[1], router.standby
+        ray.kill(victim.handle)
+        torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
+        assert not router.graph.live  # dropped: this layer went by actor calls
+        builds, graph_layers = router.graph_stats()["builds"], router.num_graph_layers
+        for _ in range(3):
+            torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
+        assert router.graph is standby and router.num_graph_takeovers == 1
+        assert router.num_graph_layers == graph_layers + 3 and router.graph_stats()["builds"] == builds
+    finally:
+        router.close()
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("standby", [False, True], ids=["rebuild", "standby"])
 def test_a_graph_member_turned_straggler_is_hedged_by_actor_calls_and_left_out_of_the_next_graph(served, standby):
     """A late execution is given up at its deadline; the next graph leaves the straggler out: a
