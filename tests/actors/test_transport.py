@@ -6,6 +6,7 @@ These run on the session's Ray (the ``served`` app's), with pools and draft acto
 import asyncio
 import os
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -127,15 +128,25 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
 
 
-def test_an_actor_killed_under_the_graph_hands_the_next_layer_to_the_standby_graph(served):
-    """Two replicas a group: the layer whose execution fails is redone by actor calls, and the next
-    ones run on the standby graph at once, with the same output and no build."""
-    config = ExpertPoolConfig(experts_per_actor=4, replicas=2, call_timeout_s=10.0, probe_interval_s=0.2, hedge=False)
-    pool = ExpertPool(TARGET, 8, config, prefix=f"test-graph-standby-kill-{os.getpid()}", detached=False)
+@contextmanager
+def _two_replica_router(name: str, **config):
+    """A graph router over 2 groups x 2 replicas (loaded), torn down afterwards."""
+    config = ExpertPoolConfig(experts_per_actor=4, replicas=2, call_timeout_s=10.0, probe_interval_s=0.2, **config)
+    pool = ExpertPool(TARGET, 8, config, prefix=f"test-{name}-{os.getpid()}", detached=False)
     pool.start()
     pool.wait_loaded(120)
     router = ExpertRouter(pool, torch.float32, graph=True)
     try:
+        yield router
+    finally:
+        router.close()
+        pool.shutdown()
+
+
+def test_an_actor_killed_under_the_graph_hands_the_next_layer_to_the_standby_graph(served):
+    """Two replicas a group: the layer whose execution fails is redone by actor calls, and the next
+    ones run on the standby graph at once, with the same output and no build."""
+    with _two_replica_router("graph-standby-kill", hedge=False) as router:
         hidden, routing = _layer_inputs(9, seed=8)  # rows for both groups
         expected = _expected(1, hidden, routing)
         _wait(lambda: router.graph.live and router.standby.live, 120, "the graph and its standby",
@@ -149,23 +160,15 @@ def test_an_actor_killed_under_the_graph_hands_the_next_layer_to_the_standby_gra
             torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
         assert router.graph is standby and router.num_graph_takeovers == 1
         assert router.num_graph_layers == graph_layers + 3 and router.graph_stats()["builds"] == builds
-    finally:
-        router.close()
-        pool.shutdown()
 
 
 @pytest.mark.parametrize("standby", [False, True], ids=["rebuild", "standby"])
 def test_a_graph_member_turned_straggler_is_hedged_by_actor_calls_and_left_out_of_the_next_graph(served, standby):
     """A late execution is given up at its deadline; the next graph leaves the straggler out: a
     rebuild, or (``graph_standby``) the parked standby graph over the other replicas, live at once."""
-    # 2 groups x 2 replicas; a 50 ms floor keeps a loaded CI machine's hiccups from hedging.
-    config = ExpertPoolConfig(experts_per_actor=4, replicas=2, call_timeout_s=10.0, hedge_min_samples=2,
-                              hedge_floor_ms=50.0, probe_interval_s=0.2, graph_standby=standby)
-    pool = ExpertPool(TARGET, 8, config, prefix=f"test-graph-hedge-{standby:d}-{os.getpid()}", detached=False)
-    pool.start()
-    pool.wait_loaded(120)
-    router = ExpertRouter(pool, torch.float32, graph=True)
-    try:
+    # A 50 ms floor keeps a loaded CI machine's hiccups from hedging.
+    with _two_replica_router(f"graph-hedge-{standby:d}", hedge_min_samples=2, hedge_floor_ms=50.0,
+                             graph_standby=standby) as router:
         hidden, routing = _layer_inputs(9, seed=6)  # rows for both groups
         expected = _expected(1, hidden, routing)
         ready = (lambda: router.graph.live and router.standby.live) if standby else (lambda: router.graph.live)
@@ -199,9 +202,6 @@ def test_a_graph_member_turned_straggler_is_hedged_by_actor_calls_and_left_out_o
         graph_layers = router.num_graph_layers
         torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
         assert router.num_graph_layers == graph_layers + 1
-    finally:
-        router.close()
-        pool.shutdown()
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)
