@@ -37,7 +37,7 @@ from actors.graph_park import PARK
 log = logging.getLogger(__name__)
 
 MESSAGE_OVERHEAD_BYTES = 64 * 1024  # one execution's pickling, counts and trace carriers, at most
-# Held while a graph picks its members and records them as bound (:attr:`ActorGraph.bound`), so that
+# Held while a graph picks its members and records them as bound (:meth:`ActorGraph.bound`), so that
 # two graphs over one pool (a live one and its standby) never pick the same actor.
 _SELECTING = threading.Lock()
 
@@ -147,6 +147,7 @@ class ActorGraph:
 
     @property
     def building(self) -> bool:
+        """A build is under way (on its background thread)."""
         return self._building
 
     def bound(self) -> list:

@@ -9,7 +9,7 @@ replicas a group, no guests), :class:`RouterGraphs` keeps a **standby graph** ov
 the live one has run for a while, parked at once (its actors block, nothing polls), and switched to
 when the live graph is dropped: the next layer wakes it (~5 ms) instead of waiting for a build. A
 new standby is then built over the replicas left, once probes have had time to measure them (the
-straggler that was just left out is avoided by the straggler rule, or is a suspect).
+straggler just left out is then seen slow: :meth:`RouterGraphs._standby_slow`).
 """
 
 from __future__ import annotations
