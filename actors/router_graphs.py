@@ -276,13 +276,24 @@ class RouterGraphs:
         (:class:`actors.compiled_graph.GraphStats` fields: the two swap roles)."""
         if self.graph is None:
             return {}
-        graphs = [g for g in (self.graph, self.standby) if g is not None]
-        totals = {k: sum(g.stats.as_dict()[k] for g in graphs) for k in self.graph.stats.as_dict()}
         return {"graph_live": self.graph.live, "graph_parked": self.graph.parked,
                 "graph_members": [r.name for r in self.graph.members],
                 "standby_enabled": self.standby is not None, "standby_live": bool(self.standby and self.standby.live),
                 "standby_members": [r.name for r in self.standby.members] if self.standby else [],
-                "graph_takeovers": self.num_graph_takeovers, **totals}
+                "graph_takeovers": self.num_graph_takeovers, **self._graph_totals()}
+
+    def _graph_totals(self) -> dict[str, int]:
+        graphs = [g.stats.as_dict() for g in (self.graph, self.standby) if g is not None]
+        return {k: sum(g[k] for g in graphs) for k in graphs[0]}
+
+    def graph_events(self) -> dict[str, int]:
+        """Cumulative counts of the graphs' lifecycle events (``specmoe:expert_graph_events_total``):
+        builds, rebuilds, failures, late executions, takeovers; empty without a graph."""
+        if self.graph is None:
+            return {}
+        stats = self._graph_totals()
+        return {"build": stats["builds"], "rebuild": stats["rebuilds"], "failure": stats["failures"],
+                "late": stats["late"], "takeover": self.num_graph_takeovers}
 
     def _close_graphs(self) -> None:
         for graph in (self.graph, self.standby):

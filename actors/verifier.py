@@ -128,6 +128,8 @@ class VerifierServer:
     def _sync_metrics(self, engine_metrics: dict) -> None:
         # The loop's snapshot, taken on the engine thread: reading the engine here could race a step.
         self.metrics.sync_from_engine(engine_metrics)
+        if self.router is not None:  # plain counters the engine thread bumps: reading them here races nothing
+            self.metrics.sync_graph_events(self.router.graph_events())
 
     def build_engine(self) -> LLMEngine:
         """The default engine: target with expert actors, drafter per ``engine.speculative_method``."""

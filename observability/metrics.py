@@ -63,6 +63,7 @@ class EngineMetrics:
         self.model_name = model_name
         self.per_expert_latency = per_expert_latency
         self._last_totals: dict[str, object] = {}
+        self._last_graph_events: dict[str, int] = {}
         self.registry = registry if registry is not None else CollectorRegistry()
         try:
             self._build(self.registry)
@@ -114,6 +115,10 @@ class EngineMetrics:
         self._hedges = Counter(P + "expert_hedges_total",
                                "Expert calls also sent to another replica after their hedge deadline.",
                                le, registry=r)
+        self._graph_events = Counter(P + "expert_graph_events_total",
+                                     "Compiled expert graph events: build, rebuild, failure, late (an execution "
+                                     "given up at its hedge deadline), takeover (by the standby graph).",
+                                     m + ["event"], registry=r)
         self._cache = {name: Counter(P + f"expert_cache_{name}_total", doc, m, registry=r).labels(model_name)
                        for name, doc in CACHE_COUNTERS.items()}
         self._cache_stall = Counter(P + "expert_cache_stall_seconds_total",
@@ -252,6 +257,18 @@ class EngineMetrics:
     def record_hedge(self, layer: int, expert: int) -> None:
         """One hedge of a call that carried rows of ``expert`` (counted when it is sent)."""
         self._hedges.labels(self.model_name, str(layer), str(expert)).inc()
+
+    @safe
+    def sync_graph_events(self, totals: Mapping[str, int]) -> None:
+        """Advance ``expert_graph_events_total`` to the router's cumulative counts by event
+        (:meth:`actors.router_graphs.RouterGraphs.graph_events`); a count that went down (a new
+        router) counts from zero again."""
+        for event, total in totals.items():
+            d = _delta(total, self._last_graph_events.get(event, 0))
+            child = self._graph_events.labels(self.model_name, event)  # every event shows, 0 included
+            if d:
+                child.inc(d)
+        self._last_graph_events = dict(totals)
 
     @safe
     def record_expert_cache(self, stats: Mapping[str, float]) -> None:

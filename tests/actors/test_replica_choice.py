@@ -348,6 +348,8 @@ def test_a_failed_graph_or_a_straggling_member_hands_over_to_the_standby(fake_ra
     torch.testing.assert_close(router.run_layer(LAYER, rows, weights, counts), expected, rtol=0, atol=0)
     assert router.graph is second and router.num_graph_takeovers == 1
     assert (router.num_graph_layers, router.num_call_layers) == (layers[0] + 1, layers[1])
+    events = router.graph_events()
+    assert (events["takeover"], events["build"], events["failure"]) == (1, 2, int(cause == "failure"))
 
 
 def test_a_straggling_member_has_its_groups_outside_replica_probed_at_once(fake_ray):

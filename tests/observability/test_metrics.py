@@ -146,6 +146,19 @@ def test_slo_attainment_counters_follow_engine_totals():
     assert value(r, "specmoe:slo_requests_total", slo_class="batch", met="true") == 1
 
 
+def test_graph_event_counters_follow_the_routers_totals():
+    em = EngineMetrics("tiny-moe")
+    r = em.registry
+    em.sync_graph_events({"build": 1, "late": 0, "takeover": 0})
+    em.sync_graph_events({"build": 2, "late": 1, "takeover": 1})
+    assert value(r, "specmoe:expert_graph_events_total", event="build") == 2
+    assert value(r, "specmoe:expert_graph_events_total", event="late") == 1
+    assert value(r, "specmoe:expert_graph_events_total", event="takeover") == 1
+    em.sync_graph_events({"build": 1, "late": 0, "takeover": 0})  # a new router: counts from zero again
+    assert value(r, "specmoe:expert_graph_events_total", event="build") == 3
+    assert value(r, "specmoe:expert_graph_events_total", event="late") == 1
+
+
 def test_recording_never_raises_and_duplicate_registration_falls_back():
     em = EngineMetrics("tiny-moe")
     assert em.record_expert_call("x", None, "many", "slow") is None
