@@ -263,6 +263,8 @@ class EngineMetrics:
         """Advance ``expert_graph_events_total`` to the router's cumulative counts by event
         (:meth:`actors.router_graphs.RouterGraphs.graph_events`); a count that went down (a new
         router) counts from zero again."""
+        if totals == self._last_graph_events:
+            return  # nearly every step (it runs at each engine step's metrics sync)
         for event, total in totals.items():
             d = _delta(total, self._last_graph_events.get(event, 0))
             child = self._graph_events.labels(self.model_name, event)  # every event shows, 0 included
