@@ -169,9 +169,10 @@ class RouterGraphs:
     def _standby_slow(self, replica: Replica, live: list[Replica]) -> bool:
         """The straggler rule against ``live`` (the live graph's members of the replica's group),
         with ``experts.graph_hedge_floor_ms`` as its floor: a standby member is measured by probes
-        (one actor call each, a few ms on a busy 2-core VM), and one above the 5 ms straggler floor
-        retired the standby (a rebuild's CPU) several times a minute with nothing slow; one slower
-        than the live member by less than the graph floor still beats actor-call layers."""
+        (one actor call each, a few ms on a busy 2-core VM); with the 5 ms straggler floor, standbys
+        were rebuilt 1-4 times in most 16-request benchmark phases with nothing slow (each a
+        compile's CPU; docs/BENCHMARKS.md). One slower than the live member by less than the graph
+        floor still beats actor-call layers."""
         cfg = self.pool.config
         best = [m.stats.expected_ms() for m in live if m.stats.ewma_latency_ms]
         return bool(best) and replica.stats.expected_ms() > max(cfg.graph_hedge_floor_ms,
