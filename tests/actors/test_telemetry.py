@@ -32,6 +32,21 @@ def _trace_of(receiver, response_id: str, timeout_s: float = 15.0) -> list:
         time.sleep(0.2)
 
 
+def _settled(receiver, trace_id: str, timeout_s: float = 15.0) -> list:
+    """The trace's spans once no more arrive for 1 s: each process exports in batches (every
+    200 ms), so a span that ended later, e.g. the engine step around the last expert calls, can
+    come after its children (CI once checked a chain before its target.forward span came)."""
+    deadline, seen, stable_since = time.monotonic() + timeout_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        spans = [s for s in receiver.spans if s.trace_id == trace_id]
+        if len(spans) != seen:
+            seen, stable_since = len(spans), time.monotonic()
+        elif time.monotonic() - stable_since >= 1.0:
+            break
+        time.sleep(0.1)
+    return [s for s in receiver.spans if s.trace_id == trace_id]
+
+
 def _drafted_trace(url: str, receiver, max_tokens: int) -> tuple[dict, list]:
     """A sampled completion whose trace has draft spans, and that trace. The adaptive controller
     may keep drafting off for a while after traffic on which it did not pay (another module's
@@ -42,7 +57,7 @@ def _drafted_trace(url: str, receiver, max_tokens: int) -> tuple[dict, list]:
         body = _complete(url, f"def walk(tree_{attempt}):\n", max_tokens=max_tokens, temperature=0.7, seed=3)
         spans = _trace_of(receiver, body["id"], timeout_s=2.0)
         if any(s.name == sc.SPAN_DRAFT_FORWARD for s in spans):
-            return body, spans
+            return body, _settled(receiver, spans[0].trace_id)
     raise AssertionError("no request drafted in 10 tries")
 
 
