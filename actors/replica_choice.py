@@ -52,11 +52,12 @@ def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, in
     return fast[:k]
 
 
-def is_avoided(replica: Replica, others: Sequence[Replica], config) -> bool:
+def is_avoided(replica: Replica, others: Sequence[Replica], config, floor_ms: float = 0.0) -> bool:
     """Whether the straggler rule avoids ``replica`` against the best of ``others`` that have a
-    latency view (a replica never measured is no evidence)."""
+    latency view (a replica never measured is no evidence); ``floor_ms``: a higher floor than
+    ``straggler_floor_ms`` for a coarser judgement (a standby graph's members)."""
     expected = [r.stats.expected_ms() for r in others if r.stats.ewma_latency_ms]
-    return bool(expected) and replica.stats.expected_ms() > straggler_bound_ms(config, min(expected))
+    return bool(expected) and replica.stats.expected_ms() > max(floor_ms, straggler_bound_ms(config, min(expected)))
 
 
 def split_counts(counts: Sequence[int], parts: int) -> list[tuple[list[int], int, int]]:

@@ -36,6 +36,17 @@ def _warmup(n: int) -> tuple:
     return None, [None] * n, 0.0
 
 
+def _fastest(replicas: list[Replica]) -> Replica:
+    return min(replicas, key=lambda r: (r.stats.expected_ms(), r.index))
+
+
+def _by_group(members: list[Replica]) -> dict[int, list[Replica]]:
+    groups: dict[int, list[Replica]] = {}
+    for m in members:
+        groups.setdefault(m.group, []).append(m)
+    return groups
+
+
 class RouterGraphs:
     """Graph state and rules of :class:`actors.expert_router.ExpertRouter` (a mixin: the router
     owns ``pool``, ``actor_calls`` and ``telemetry``; every method runs on the engine thread except
@@ -83,10 +94,7 @@ class RouterGraphs:
         if not all(own):
             raise RuntimeError("an expert group has no live replica outside the standby graph yet")
         self._graph_version = self.pool.version
-        own = [unsuspected(rs) for rs in own]
-        best = [min(rs, key=lambda r: (r.stats.expected_ms(), r.index)) for rs in own]
-        guests = [r for g in range(len(self.pool.groups)) for r in self.pool.alive(g) if r.host is not None]
-        return best + guests, "forward_graph"
+        return [_fastest(unsuspected(rs)) for rs in own] + self._guests(), "forward_graph"
 
     def _standby_members(self) -> tuple[list[Replica], str]:
         chosen = self._standby_candidates(self.graph.bound())
@@ -100,14 +108,14 @@ class RouterGraphs:
         graph), measured, not a suspect and not slow (:meth:`_standby_slow`)."""
         if not live or self._guests():
             return None
-        chosen = []
+        by_group, chosen = _by_group(live), []
         for g in range(len(self.pool.groups)):
-            mine = [m for m in live if m.group == g]
-            usable = [r for r in self.pool.alive(g) if not any(r is m for m in live) and r.stats.ewma_latency_ms
+            mine = by_group.get(g, [])
+            usable = [r for r in self.pool.alive(g) if not any(r is m for m in mine) and r.stats.ewma_latency_ms
                       and not r.stats.suspect and not self._standby_slow(r, mine)]
             if not usable:
                 return None
-            chosen.append(min(usable, key=lambda r: (r.stats.expected_ms(), r.index)))
+            chosen.append(_fastest(usable))
         return chosen
 
     # ------------------------------------------------------------------ lifecycle
@@ -162,9 +170,9 @@ class RouterGraphs:
     def _standby_fits(self) -> bool:
         """Whether the live standby can take over: no guests (they bind the live graph's actors),
         every member alive and not slow (:meth:`_standby_slow`)."""
-        live = self.graph.members
+        by_group = _by_group(self.graph.members)
         return not self._guests() and all(
-            m.alive and not self._standby_slow(m, [x for x in live if x.group == m.group]) for m in self.standby.members)
+            m.alive and not self._standby_slow(m, by_group.get(m.group, [])) for m in self.standby.members)
 
     def _standby_slow(self, replica: Replica, live: list[Replica]) -> bool:
         """The straggler rule against ``live`` (the live graph's members of the replica's group),
@@ -174,9 +182,7 @@ class RouterGraphs:
         compile's CPU; docs/BENCHMARKS.md). One slower than the live member by less than the graph
         floor still beats actor-call layers."""
         cfg = self.pool.config
-        best = [m.stats.expected_ms() for m in live if m.stats.ewma_latency_ms]
-        return bool(best) and replica.stats.expected_ms() > max(cfg.graph_hedge_floor_ms,
-                                                                cfg.straggler_multiple * min(best))
+        return is_avoided(replica, live, cfg, floor_ms=cfg.graph_hedge_floor_ms)
 
     def _standby_ready(self) -> bool:
         return self.standby is not None and self.standby.live and self._standby_fits()
