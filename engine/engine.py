@@ -184,7 +184,8 @@ class LLMEngine:
         """Run one scheduling + draft + verify step; return the requests that progressed."""
         decodes = [s for s in self.scheduler.running if not s.num_prompt_tokens_left]
         limit = self.slo.prefill_limit(decodes, sum(self.slo.decode_tokens(s) for s in decodes))
-        sched = self.scheduler.schedule(self.kv.num_free, self._decode_cost, limit)
+        deferred = self.slo.deferred_prompts(self.scheduler.waiting, self.scheduler.running, self.kv.num_free)
+        sched = self.scheduler.schedule(self.kv.num_free, self._decode_cost, limit, deferred)
         if sched.empty:
             return []
         for seq in sched.prefills:

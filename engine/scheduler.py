@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -178,16 +178,18 @@ class Scheduler:
         budget = self.prefill_budget(decode_tokens, prefill_limit)
         return max(budget, MIN_PREFILL_CHUNK) if self.config.enable_chunked_prefill else budget
 
-    def _prefill_order(self, started: list[Sequence]) -> list[Sequence]:
+    def _prefill_order(self, started: list[Sequence], deferred: Collection[str]) -> list[Sequence]:
         """Prompts to prefill this step, in order: with "slo" started and waiting prompts by
-        earliest TTFT deadline (a long prompt mid-prefill does not hold back one due sooner);
-        otherwise started prompts first (oldest first), then the waiting queue."""
+        earliest TTFT deadline (a long prompt mid-prefill does not hold back one due sooner), the
+        ``deferred`` waiting ones last; otherwise started prompts first (oldest first), then the
+        waiting queue."""
         if self.config.scheduling_policy != "slo":
             return started + self.waiting
-        return sorted(started + self.waiting, key=self.key_of)
+        later = [s for s in self.waiting if s.seq_id in deferred]
+        return sorted(started + [s for s in self.waiting if s.seq_id not in deferred], key=self.key_of) + later
 
     def schedule(self, num_free_slots: int, decode_cost: Callable[[Sequence, bool], int],
-                 prefill_limit: int | None = None) -> SchedulerOutput:
+                 prefill_limit: int | None = None, deferred: Collection[str] = ()) -> SchedulerOutput:
         """Pick this step's work.
 
         Args:
@@ -196,6 +198,8 @@ class Scheduler:
                 speculation is on.
             prefill_limit: prefill tokens at most this step (chunked prefill), e.g. what the
                 running decodes' TPOT budgets leave; None: only the token budget limits.
+            deferred: seq ids of waiting prompts admitted only after the others ("slo"; see
+                :meth:`engine.slo.SLOPolicy.deferred_prompts`).
         """
         cfg = self.config
         speculate = not (cfg.spec_disable_batch_size and len(self.running) >= cfg.spec_disable_batch_size)
@@ -204,7 +208,7 @@ class Scheduler:
             (out.prefills if seq.num_prompt_tokens_left else out.decodes).append(seq)
         budget = self.prefill_budget(sum(decode_cost(s, speculate) for s in out.decodes), prefill_limit)
         started, out.prefills, admitted = out.prefills, [], []
-        for seq in self._prefill_order(started):
+        for seq in self._prefill_order(started, deferred):
             # The first prefill of a step always progresses, even when the decodes' draft caps
             # use the whole budget.
             floor = MIN_PREFILL_CHUNK if not out.prefills else 0

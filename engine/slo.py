@@ -17,6 +17,7 @@ import msgspec
 from engine.errors import QueueFull
 from engine.outputs import RequestOutput
 from engine.request_ranges import RequestError
+from engine.slo_admission import SlotJob, decode_hold_s, defer_until_s, deferred_jobs
 
 
 class SLOClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -130,6 +131,42 @@ class SLOPolicy:
             if end > done:
                 phases.append((end - done, reserved, per_step))
             done, left = end, [s for s in left if steps[s.seq_id] > end]
+
+    def deferred_prompts(self, waiting: list, running: list, num_free_slots: int) -> set[str]:
+        """Seq ids of the ``waiting`` prompts (in the scheduler's earliest-deadline order) to admit
+        after the others (:func:`engine.slo_admission.deferred_jobs`): a prompt that would miss
+        its TTFT budget waiting for a slot lets shorter ones go first instead of making them late
+        too. Empty unless ``scheduling_policy`` is "slo" with SLO classes, with no slot free now
+        (only admissions are reordered), or before any step time is learned.
+
+        Each running sequence frees its slot after its remaining steps (:meth:`steps_left`; a
+        prompt still prefilling, its prompt step and ``max_tokens`` steps) at the predicted
+        decode-only step; a waiting prompt takes one step of its prompt's tokens to its first
+        token and ``max_tokens - 1`` decode steps at one token each (before it drafts nothing is
+        known about its acceptance)."""
+        cfg = self.config
+        free_now = min(num_free_slots, cfg.max_num_seqs - len(running))
+        if cfg.scheduling_policy != "slo" or free_now <= 0 or len(waiting) < 2 or not cfg.slo_classes:
+            return set()
+        decodes = [s for s in running if not s.num_prompt_tokens_left]
+        decode_tokens = sum(self.decode_tokens(s) for s in decodes)
+        predict = self.step_predictor()
+        step_s = predict(max(decode_tokens, 1))
+        if step_s <= 0:
+            return set()
+        now = time.monotonic()
+        frees = [now] * free_now + [now + (self.steps_left(s) * step_s if not s.num_prompt_tokens_left else
+                                           predict(decode_tokens + s.num_prompt_tokens_left)
+                                           + decode_hold_s(s.params.max_tokens, 1.0, step_s)) for s in running]
+        jobs = []
+        for s in waiting:
+            slo = cfg.slo_for(s.params.slo_class)[1]
+            ttft_s = slo.ttft_ms / 1e3 if slo is not None and slo.ttft_ms is not None else math.inf
+            first_s = predict(decode_tokens + len(s.prompt_token_ids))
+            arrival_s = s.request.metrics.arrival_time_s
+            jobs.append(SlotJob(arrival_s + ttft_s, s.params.priority, first_s,
+                                first_s + decode_hold_s(s.params.max_tokens, 1.0, step_s), defer_until_s(arrival_s, ttft_s)))
+        return {waiting[i].seq_id for i in deferred_jobs(jobs, frees, now)}
 
     def step_predictor(self) -> Callable[[int], float]:
         """Predicted step seconds for a number of target tokens: the target forward and, drafting
