@@ -181,12 +181,11 @@ class Scheduler:
     def _prefill_order(self, started: list[Sequence], deferred: Collection[str]) -> list[Sequence]:
         """Prompts to prefill this step, in order: with "slo" started and waiting prompts by
         earliest TTFT deadline (a long prompt mid-prefill does not hold back one due sooner), the
-        ``deferred`` waiting ones last; otherwise started prompts first (oldest first), then the
-        waiting queue."""
+        ``deferred`` waiting ones after the others of their priority; otherwise started prompts
+        first (oldest first), then the waiting queue."""
         if self.config.scheduling_policy != "slo":
             return started + self.waiting
-        later = [s for s in self.waiting if s.seq_id in deferred]
-        return sorted(started + [s for s in self.waiting if s.seq_id not in deferred], key=self.key_of) + later
+        return sorted(started + self.waiting, key=lambda s: (self.key_of(s)[0], s.seq_id in deferred, self.key_of(s)))
 
     def schedule(self, num_free_slots: int, decode_cost: Callable[[Sequence, bool], int],
                  prefill_limit: int | None = None, deferred: Collection[str] = ()) -> SchedulerOutput:
@@ -198,8 +197,8 @@ class Scheduler:
                 speculation is on.
             prefill_limit: prefill tokens at most this step (chunked prefill), e.g. what the
                 running decodes' TPOT budgets leave; None: only the token budget limits.
-            deferred: seq ids of waiting prompts admitted only after the others ("slo"; see
-                :meth:`engine.slo.SLOPolicy.deferred_prompts`).
+            deferred: seq ids of waiting prompts admitted only after the others of their
+                priority ("slo"; see :meth:`engine.slo.SLOPolicy.deferred_prompts`).
         """
         cfg = self.config
         speculate = not (cfg.spec_disable_batch_size and len(self.running) >= cfg.spec_disable_batch_size)

@@ -12,9 +12,10 @@ after the others, and among the rest Moore's rule for the fewest late jobs on on
 Management Science 15(1), 1968, in Hodgson's form) picks whom else to defer: go through the jobs
 in deadline order and, whenever the last one would be late, drop the longest job kept so far.
 Here the machine is the pool of slots (a job starts when the earliest slot frees) and "dropped"
-means admitted after every kept prompt; with parallel slots this is a heuristic, not an optimum.
-Lower ``priority`` values stay ahead: the job dropped is one of the lowest priority kept, the
-longest holder among them. A prompt deferred long enough takes its deadline place again.
+means admitted after every kept prompt of its priority; with parallel slots this is a heuristic,
+not an optimum. Lower ``priority`` values stay ahead: a deferred prompt never goes behind one of
+a higher value, and the job Moore's rule drops is one of the lowest priority kept, the longest
+holder among them. A prompt deferred long enough takes its deadline place again.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def defer_until_s(arrival_s: float, ttft_s: float) -> float:
 
 
 def deferred_jobs(jobs: list[SlotJob], slot_free_s: list[float], now_s: float) -> list[int]:
-    """Indices of the ``jobs`` to admit only after all the others.
+    """Indices of the ``jobs`` to admit only after all the others of their priority.
 
     Jobs already past their deadline at ``now_s`` have missed it whatever the order: serving them
     first (as deadline order does) only makes the jobs behind them miss too, the domino effect of

@@ -1,11 +1,12 @@
 """Admission into full sequence slots under ``scheduling_policy: slo`` (Moore's rule, engine.slo_admission)."""
 
 import math
+from types import SimpleNamespace
 
 from engine.drafters.base import NoneDrafter
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.slo import SLOClass
 from engine.slo_admission import LATE_DEFERRAL, SlotJob, decode_hold_s, defer_until_s, deferred_jobs
 from tests.engine.bundled import loaded_target, prompt_ids
@@ -83,3 +84,17 @@ def test_the_engine_admits_the_short_prompts_before_a_long_one_that_would_make_t
 
     assert first_outputs(10.0) == ["short1", "short2", "long"]
     assert first_outputs(0.0) == ["long", "short1", "short2"]
+
+
+def test_a_deferred_prompt_goes_after_the_others_of_its_priority_only():
+    def order(deferred: set[str]) -> list[str]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, scheduling_policy="slo",
+                                          slo_classes={"c": SLOClass(ttft_ms=1000.0)}, default_slo_class="c"))
+        for name, priority, arrival_s in (("a", 0, 0.0), ("b", 0, 1.0), ("low", 1, 0.0)):
+            sched.add(SimpleNamespace(seq_id=name, prompt_token_ids=[1] * 4, num_prompt_tokens_left=4, status=None,
+                                      params=SamplingParams(priority=priority),
+                                      request=SimpleNamespace(metrics=SimpleNamespace(arrival_time_s=arrival_s))))
+        return [s.seq_id for s in sched.schedule(8, lambda s, spec: 1, None, deferred).prefills]
+
+    assert order(set()) == ["a", "b", "low"]
+    assert order({"a"}) == ["b", "a", "low"]  # deferred behind "b", not behind the lower priority
