@@ -155,17 +155,21 @@ class SLOPolicy:
         if step_s <= 0:
             return set()
         now = time.monotonic()
-        frees = [now] * free_now + [now + (self.steps_left(s) * step_s if not s.num_prompt_tokens_left else
-                                           predict(decode_tokens + s.num_prompt_tokens_left)
-                                           + decode_hold_s(s.params.max_tokens, 1.0, step_s)) for s in running]
+
+        def frees_at(s) -> float:  # a running sequence's slot
+            if not s.num_prompt_tokens_left:
+                return now + self.steps_left(s) * step_s
+            return now + predict(decode_tokens + s.num_prompt_tokens_left) + decode_hold_s(s.params.max_tokens, 1.0, step_s)
+
         jobs = []
         for s in waiting:
-            slo = cfg.slo_for(s.params.slo_class)[1]
-            ttft_s = slo.ttft_ms / 1e3 if slo is not None and slo.ttft_ms is not None else math.inf
+            # The scheduler's "slo" key holds the TTFT deadline (arrival + budget; inf without one).
+            deadline_s, arrival_s = self.scheduler.key_of(s)[1], s.request.metrics.arrival_time_s
             first_s = predict(decode_tokens + len(s.prompt_token_ids))
-            arrival_s = s.request.metrics.arrival_time_s
-            jobs.append(SlotJob(arrival_s + ttft_s, s.params.priority, first_s,
-                                first_s + decode_hold_s(s.params.max_tokens, 1.0, step_s), defer_until_s(arrival_s, ttft_s)))
+            jobs.append(SlotJob(deadline_s, s.params.priority, first_s,
+                                first_s + decode_hold_s(s.params.max_tokens, 1.0, step_s),
+                                defer_until_s(arrival_s, deadline_s - arrival_s)))
+        frees = [now] * free_now + [frees_at(s) for s in running]
         return {waiting[i].seq_id for i in deferred_jobs(jobs, frees, now)}
 
     def step_predictor(self) -> Callable[[int], float]:
