@@ -4,7 +4,7 @@ Unknown fields are ignored, as OpenAI does, and null means the default; out-of-r
 parameters specmoe does not implement (:data:`UNSUPPORTED`, unless their value asks for nothing)
 raise :class:`ProtocolError`, which the ingress turns into HTTP 400 naming the parameter. The ranges are the engine's own table
 (:data:`engine.request_ranges.RANGES`), so the server and the offline engine accept the same values.
-specmoe extensions (vLLM's names): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+specmoe extensions (vLLM's names): ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``num_speculative_tokens``, ``priority``, and ``slo_class`` (the request's latency budget class,
 see ``engine.scheduler.slo_classes``).
 """
@@ -70,10 +70,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
     seed: int | None = None
     top_k: int | None = None
     ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = None
     priority: int | None = 0  # vLLM's request field: lower is scheduled earlier (scheduling_policy priority|slo)
     slo_class: str | None = None  # latency budget class of engine.scheduler.slo_classes
+    user: str | None = None  # OpenAI's end-user id: typed so that a non-string is a 400, otherwise unused
     best_of: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -97,7 +99,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_grammar: Any = None
 
     # Fields a client may send as null for "the default" (OpenAI's schema marks them nullable).
-    null_means_default: ClassVar[dict[str, object]] = {"n": 1, "stream": False, "ignore_eos": False, "priority": 0}
+    null_means_default: ClassVar[dict[str, object]] = {"n": 1, "stream": False, "ignore_eos": False, "priority": 0,
+                                                              "include_stop_str_in_output": False}
 
     def __post_init__(self) -> None:
         for name, default in self.null_means_default.items():
@@ -137,6 +140,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, num_speculative_tokens=self.num_speculative_tokens,
             priority=self.priority, slo_class=self.slo_class,
         )

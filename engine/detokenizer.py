@@ -168,7 +168,7 @@ class SequenceOutputState:
         if best is None:
             return False
         end, _, stop = best
-        self._decoded = self._decoded[: end - len(stop)]
+        self._decoded = self._decoded[: end if self.params.include_stop_str_in_output else end - len(stop)]
         self._finish("stop", stop)
         return True
 

@@ -29,9 +29,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         seed: seeds this request's own ``torch.Generator``; None draws a random seed.
         stop: up to 4 non-empty strings that end the sequence (one string: that one); the matched
-            string is not part of the text.
+            string is not part of the text unless ``include_stop_str_in_output``.
         stop_token_ids: token ids that end the sequence (kept in token_ids, not in text).
         ignore_eos: keep going past the model's end-of-sequence token.
+        include_stop_str_in_output: keep the matched stop string at the end of the text (vLLM's
+            extension; the text is still cut right after it).
         logprobs: number of top alternatives (0..5) whose target log-probabilities are returned
             per output token; None returns none.
         num_speculative_tokens: draft length k for this request (0..16, at most the engine's); None
@@ -55,6 +57,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     num_speculative_tokens: int | None = None
     priority: int = 0

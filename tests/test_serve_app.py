@@ -1,8 +1,11 @@
 """serve_app's start-up checks: clear reasons and a non-zero exit, before Ray starts."""
 
 import os
+import signal
 import socket
+import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -205,8 +208,6 @@ def test_two_batch_overlap_override(value):
 
 def test_sigint_stops_the_server_even_when_started_with_it_ignored():
     # `python serve_app.py &` from a script: the shell starts the job with SIGINT ignored.
-    import signal
-
     saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -216,6 +217,32 @@ def test_sigint_stops_the_server_even_when_started_with_it_ignored():
     finally:
         signal.signal(signal.SIGINT, saved[0])
         signal.signal(signal.SIGTERM, saved[1])
+
+
+def test_a_sigint_during_the_imports_stops_a_background_start(tmp_path):
+    """A background start has SIGINT ignored until serve_app installs a handler; one sent while
+    torch is still being imported used to be lost, and the server came up anyway."""
+    import subprocess
+    import textwrap
+
+    # Sends itself SIGINT when the first heavy module (torch) is about to be imported.
+    launcher = textwrap.dedent("""
+        import importlib.abc, os, runpy, signal, sys
+        class SigintAtTorch(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "torch":
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+        sys.meta_path.insert(0, SigintAtTorch())
+        sys.argv = ["serve_app.py", "--config", sys.argv[1]]
+        runpy.run_path("serve_app.py", run_name="__main__")
+    """)
+    # A missing config: were the signal lost, main() would stop there with "cannot start", rc 2.
+    done = subprocess.run(
+        [sys.executable, "-c", launcher, str(tmp_path / "absent.yaml")], cwd=Path(serve_app.__file__).parent,
+        capture_output=True, text=True, timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert (done.returncode, done.stderr.strip()) == (0, "specmoe: interrupted while starting")
 
 
 def test_a_second_sigterm_does_not_cut_the_shutdown_short(monkeypatch, capsys):

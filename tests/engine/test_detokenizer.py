@@ -135,6 +135,18 @@ def test_stop_string_inside_run(tok, pos):
     assert state.text == "".join(deltas) == text[: len(text) - len(stop)]
 
 
+@pytest.mark.parametrize("chunks", ["one run", "one by one"])
+def test_include_stop_str_in_output_keeps_the_stop_string_and_cuts_after_it(tok, chunks):
+    ids = tok.encode(ASCII).ids
+    text = tok.decode(ids)
+    start = text.index("mark")  # "market": the token completing "mark" carries text after it
+    state = make(tok, stop=["mark"], include_stop_str_in_output=True)
+    deltas = feed(state, [ids] if chunks == "one run" else [[t] for t in ids])
+    assert (state.finish_reason, state.stop_reason) == ("stop", "mark")
+    assert state.text == "".join(deltas) == text[: start + len("mark")]
+    assert make(tok, stop=["mark"]).append(ids).text_delta == text[:start]  # the default leaves it out
+
+
 def test_stop_string_spanning_two_tokens_is_held_back_then_cut(tok):
     ids = tok.encode(ASCII).ids
     pieces = [tok.decode([t]) for t in ids]

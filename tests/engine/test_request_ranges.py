@@ -78,7 +78,7 @@ def test_nesting_too_deep_for_the_decoder_is_a_400():
     ("temperature", None), ("temperature", "0.5"), ("max_tokens", None), ("max_tokens", 3.7), ("n", 2.0),
     ("n", True), ("top_k", 1.5), ("seed", 1.5), ("stop_token_ids", 5), ("stop_token_ids", ["a"]),
     ("logprobs", True), ("logprobs", 2.5), ("slo_class", 5), ("ignore_eos", "no"), ("stop", [1]),
-    ("priority", "high"), ("num_speculative_tokens", 4.5),
+    ("priority", "high"), ("num_speculative_tokens", 4.5), ("include_stop_str_in_output", "yes"),
 ])
 def test_a_wrong_type_is_refused_at_construction_naming_the_field(field, value):
     # Built by hand (not decoded), a wrong type used to reach a step and fail the step's whole batch.
@@ -119,6 +119,18 @@ def test_null_means_the_default_for_every_optional_field(schema):
     assert req.sampling_params(3, None).n == 1
     if schema is ChatCompletionRequest:
         assert req.logprobs is False and req.num_logprobs is None
+
+
+@pytest.mark.parametrize(("field", "value"), [("user", 123), ("include_stop_str_in_output", "yes")])
+@pytest.mark.parametrize("schema", [CompletionRequest, ChatCompletionRequest])
+def test_a_known_field_of_the_wrong_type_is_a_400_naming_it(schema, field, value):
+    # Known fields are typed even where unused (OpenAI's 'user'), so a wrong type is not silently accepted.
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with pytest.raises(ProtocolError, match=f"\\$.{field}") as err:
+        decode_request(msgspec.json.encode({**body, field: value}), schema)
+    assert (err.value.param, err.value.status) == (field, 400)
+    ok = decode_request(msgspec.json.encode({**body, "user": "u-1", "include_stop_str_in_output": True}), schema)
+    assert ok.sampling_params(3, None).include_stop_str_in_output is True
 
 
 @pytest.mark.parametrize(("field", "no_op", "refused"), [
