@@ -133,6 +133,7 @@ class IngressServer:
         from engine.loader import load_tokenizer
 
         self._verifier_stream = verifier  # a test double is used as it is (and streams as it is)
+        self.created = int(time.time())  # the model card's `created`: when this replica started serving it
         if isinstance(verifier, DeploymentHandle):
             # By value = Serve's gRPC transport between replicas (ServeConfig.serve_transport);
             # a Serve handle must be asked for a stream.
@@ -177,7 +178,7 @@ class IngressServer:
                              "model_not_found")
 
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specmoe",
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specmoe",
                 "max_model_len": self.max_model_len}
 
     async def health(self) -> Response:

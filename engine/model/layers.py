@@ -284,9 +284,27 @@ def attention(
         q_pad = q_span
     keys = k_cache[plan.slot_rows, :, :plan.max_kv]
     values = v_cache[plan.slot_rows, :, :plan.max_kv]
-    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=plan.mask,
-                                         is_causal=plan.causal, enable_gqa=keys.shape[1] != q.shape[1])
-    out = out.transpose(1, 2)
+    out = _sdpa(q_pad.transpose(1, 2), keys, values, plan).transpose(1, 2)
     if plan.slot_order is not None:
         out = out[plan.slot_order[1]]  # back to batch order
     return out.reshape(q.shape) if plan.uniform else out[batch.token_seq, batch.token_qidx]
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """SDPA of ``(N, H, Q, D)`` queries over ``(N, KV, L, D)`` keys and values -> ``(N, H, Q, D)``.
+
+    One query a sequence (a decode step) with grouped-query heads: each KV head's ``H / KV``
+    query heads go in as that head's query rows (FlashAttention-2's packed GQA), one pass over
+    the keys for the group. On CPU 1.2-1.45x faster than ``enable_gqa`` for one query (16
+    sequences of 100-1000 tokens: 488 against 653 us), and numerically SDPA's general path, the
+    one every longer query takes (bit-identical to it for two or more queries); not for longer
+    queries, where it was slower (0.8-1.0x). The mask, ``(N, 1, 1, L)``, broadcasts over the rows.
+    """
+    n, num_heads, q_len, head_dim = q.shape
+    num_kv = keys.shape[1]
+    if q_len == 1 and num_heads != num_kv and not plan.causal:
+        packed = q.reshape(n, num_kv, num_heads // num_kv, head_dim)  # head h = kv * group + g
+        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=plan.mask)
+        return out.view(n, num_heads, 1, head_dim)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask, is_causal=plan.causal,
+                                          enable_gqa=num_heads != num_kv)

@@ -92,6 +92,7 @@ def test_models_list_and_retrieve_as_openai_clients_do(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     model = client.models.retrieve(MODEL_NAME)
     assert (model.id, model.object, model.owned_by) == (MODEL_NAME, "model", "specmoe")
+    assert 0 < time.time() - model.created < 3600  # a real start time, not 0 (1970)
     missing = httpx.get(url + "/v1/models/gpt-4")
     assert missing.status_code == 404
     assert missing.json()["error"] == {"message": f"The model 'gpt-4' does not exist (serving '{MODEL_NAME}')",

@@ -79,3 +79,24 @@ def test_forwards_on_cuda_leave_cudnn_attention_out_until_the_last_one_ends():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with attention_backends("cpu"):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.parametrize("other_start", [9, 4], ids=["equal_lengths_no_mask", "ragged_lengths_mask"])
+def test_a_decode_query_gets_bit_for_bit_what_it_gets_as_the_last_of_a_verification(other_start):
+    # Lossless speculation compares plain decoding (one query a sequence) with verification (k + 1
+    # queries): the packed grouped-query decode path must compute exactly what the longer query does.
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, 2, KV_HEADS, MAX_LEN, DIM, generator=g)
+    q, k, v = (torch.randn(2, 2, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))  # (seq, token, ...)
+    # Sequence 0 verifies tokens at positions 8 and 9; the decode step sees position 8 in its cache.
+    verify = ForwardBatch.build([0, 1], [[1, 1], [1, 1]], [8, other_start - 1], logits="all")
+    decode = ForwardBatch.build([0, 1], [[1], [1]], [9, other_start], logits="all")
+    verify_cache, decode_cache = cache.clone(), cache.clone()
+    decode_cache[0][0, :, 8], decode_cache[1][0, :, 8] = k[0, 0], v[0, 0]
+    decode_cache[0][1, :, other_start - 1], decode_cache[1][1, :, other_start - 1] = k[1, 0], v[1, 0]
+    long = attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), verify_cache[0], verify_cache[1], verify,
+                     plan_attention(verify))
+    plan = plan_attention(decode)
+    assert (plan.mask is None) == (other_start == 9)
+    short = attention(q[:, 1], k[:, 1], v[:, 1], decode_cache[0], decode_cache[1], decode, plan)
+    assert torch.equal(short, long.view(2, 2, HEADS, DIM)[:, 1])
