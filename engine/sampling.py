@@ -158,31 +158,57 @@ def _position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def race_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """``(vocab,)`` float32 Exp(1) draws for the token at ``position`` of a seeded sequence: a
-    function of ``(seed, position)`` only (never of k, the batch or what was drawn before).
+def _int32(value: int) -> int:
+    """``value``'s low 32 bits as a signed int32 (torch's integer ops wrap in two's complement)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _shr32(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int32 ``z`` (torch's ``>>`` is arithmetic on signed integers)."""
+    return (z >> bits) & ((1 << (32 - bits)) - 1)
+
+
+_GOLDEN32, _FMIX1, _FMIX2 = _int32(0x9E3779B9), _int32(0x85EBCA6B), _int32(0xC2B2AE35)
+
+
+def race_noise(keys: list[tuple[int, int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``(len(keys), vocab)`` float32 Exp(1) draws, row ``i`` for the token at position
+    ``keys[i][1]`` of the sequence seeded ``keys[i][0]``: a function of that pair only (never of
+    k, the batch, the device or what was drawn before).
 
     ``argmax(p / noise)`` is then a sample from ``p`` (the exponential race, the same as the
     Gumbel-max trick: ``argmax(log p + g)`` with ``g = -log(noise)``). When the draft model proposes
     ``argmax(q / noise)`` with the *same* noise, the target's token at that position does not
     depend on the drafter or on k at all, and the draft matches it with probability at least
     ``(1 - TV(p, q)) / (1 + TV(p, q))`` (Daliri, Musco and Suresh 2024, "Coupling without
-    communication and drafter-invariant speculative decoding", Theorem 1). Draws are clamped to
-    ``>= 1e-30`` so a zero draw cannot divide by zero (``p / 1e-30`` is still finite in float32).
+    communication and drafter-invariant speculative decoding", Theorem 1).
+
+    The draws are counter-based, made on ``device`` in one pass for every row: token ``t`` of a
+    row hashes ``t`` and the row's key (:func:`_position_seed`) with MurmurHash3's 32-bit
+    finaliser into 24 uniform bits ``u``, and the draw is ``-log((u + 0.5) / 2**24)`` (in
+    ``[3e-8, 17.3]``: never 0, so ``p / noise`` is finite). A seeded CPU generator per row (the
+    previous form) took ~75 us a row at vocab 4096 and a host-to-device copy; this takes ~130 us
+    for 7 rows.
     """
-    gen = torch.Generator(device="cpu").manual_seed(_position_seed(seed, position))
-    return torch.empty(vocab, dtype=torch.float32).exponential_(generator=gen).clamp_(min=1e-30)
+    row_keys = torch.tensor([_int32(_position_seed(seed, position)) for seed, position in keys],
+                            dtype=torch.int32, device=device)
+    z = torch.arange(vocab, dtype=torch.int32, device=device)[None, :] * _GOLDEN32 + row_keys[:, None]
+    z = (z ^ _shr32(z, 16)) * _FMIX1
+    z = (z ^ _shr32(z, 13)) * _FMIX2
+    z = z ^ _shr32(z, 16)
+    return -torch.log((_shr32(z, 8).float() + 0.5) * 2.0 ** -24)
 
 
-def race_scores(probs: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
-    """``probs / noise`` for rows at consecutive positions from ``first_position``: the argmax of
-    row ``j`` is the sequence's token at ``first_position + j`` (see :func:`race_noise`).
+def race_scores(probs: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """``probs / noise``: the argmax of row ``i`` is the token of ``keys[i]`` = (seed, position)
+    (see :func:`race_noise`).
 
     Args:
         probs: ``(S, V)`` float32 sampling distributions (from :func:`compute_probs`), any device.
+        keys: ``S`` (seed, position) pairs, one per row.
 
     Returns:
         ``(S, V)`` float32 scores on ``probs.device``; only their argmax means anything.
     """
-    noise = torch.stack([race_noise(seed, first_position + j, probs.shape[-1]) for j in range(probs.shape[0])])
-    return probs / noise.to(probs.device)
+    return probs / race_noise(keys, probs.shape[-1], probs.device)

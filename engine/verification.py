@@ -120,7 +120,8 @@ def build_verify_batch(logits: torch.Tensor, num_logits: list[int], draft_lists:
     for b, race in enumerate(races):
         if race is not None:  # rows past the draft are padding, never read
             n = len(draft_lists[b]) + 1
-            out.target_probs[b, :n] = race_scores(out.target_probs[b, :n], *race)
+            seed, first = race
+            out.target_probs[b, :n] = race_scores(out.target_probs[b, :n], [(seed, first + j) for j in range(n)])
     return out
 
 

@@ -94,11 +94,11 @@ class CachedDrafter:
                 for i, token in zip(drawn, inverse_cdf_sample(q[drawn], uniforms).tolist()):
                     ids[rows[i]] = token
                     probs[active[rows[i]]].append(q[i])
-            for i, r in enumerate(rs):
-                if r.race_seed is not None:
-                    b = active[rows[i]]
-                    position = len(r.token_ids) + len(tokens[b])
-                    ids[rows[i]] = int(greedy_argmax(race_scores(q[i:i + 1], r.race_seed, position))[0])
+            raced = [i for i, r in enumerate(rs) if r.race_seed is not None]
+            if raced:  # one race over every seeded row: position = tokens so far + drafts so far
+                keys = [(rs[i].race_seed, len(rs[i].token_ids) + len(tokens[active[rows[i]]])) for i in raced]
+                for i, token in zip(raced, greedy_argmax(race_scores(q[raced], keys)).tolist()):
+                    ids[rows[i]] = token
         for row, b in enumerate(active):
             tokens[b].append(ids[row])
             starts[b] += len(feeds[b])

@@ -138,9 +138,28 @@ def test_generators_are_per_request_and_reproducible():
 
 
 def test_race_noise_is_a_function_of_seed_and_position_only():
-    a = race_noise(5, 3, 64)
-    assert torch.equal(a, race_noise(5, 3, 64)) and bool((a > 0).all())
-    assert not torch.equal(a, race_noise(5, 4, 64)) and not torch.equal(a, race_noise(6, 3, 64))
+    a = race_noise([(5, 3)], 64)[0]
+    assert torch.equal(a, race_noise([(5, 3)], 64)[0]) and bool((a > 0).all())
+    assert not torch.equal(a, race_noise([(5, 4)], 64)[0]) and not torch.equal(a, race_noise([(6, 3)], 64)[0])
+    # The same row whatever else is drawn beside it, and token t's draw whatever the vocabulary size.
+    rows = race_noise([(6, 3), (5, 3), (5, 4)], 80)
+    assert torch.equal(rows[1, :64], a) and torch.equal(rows[2], race_noise([(5, 4)], 80)[0])
+
+
+def test_race_noise_is_exp1():
+    """Kolmogorov-Smirnov against Exp(1) over 64 rows x 4096 tokens (the hashed draws' marginal),
+    and tokens of one row and rows of nearby positions uncorrelated."""
+    noise = race_noise([(seed, pos) for seed in range(8) for pos in range(8)], 4096).double()
+    x = noise.flatten().sort().values
+    cdf = 1 - torch.exp(-x)
+    n = x.numel()
+    ks = torch.maximum(torch.arange(1, n + 1) / n - cdf, cdf - torch.arange(n) / n).max().item()
+    assert ks < 1.63 / n ** 0.5  # the 1 % critical value
+    assert abs(x.mean().item() - 1) < 0.01 and abs(x.var().item() - 1) < 0.02
+    u = torch.exp(-noise)  # uniform under Exp(1)
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:])):  # neighbouring tokens; neighbouring positions
+        corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(corr) < 0.01
 
 
 def test_the_race_samples_from_p_and_a_broken_race_is_rejected():
@@ -150,8 +169,8 @@ def test_the_race_samples_from_p_and_a_broken_race_is_rejected():
 
     p = torch.tensor([0.4, 0.25, 0.0, 0.2, 0.1, 0.05])
     pairs = [(seed, pos) for seed in range(400) for pos in range(30)]
-    noise = torch.stack([race_noise(seed, pos, p.numel()) for seed, pos in pairs])
-    right = greedy_argmax(torch.stack([race_scores(p[None], seed, pos)[0] for seed, pos in pairs]))
+    noise = race_noise(pairs, p.numel())
+    right = greedy_argmax(race_scores(p.expand(len(pairs), -1), pairs))
     stat, critical = chi2_statistic(right, p)
     assert stat < critical
     wrong = greedy_argmax(torch.where(p > 0, p + noise, 0.0))

@@ -124,7 +124,7 @@ def test_a_race_row_accepts_the_drafts_its_race_picks_and_emits_the_race_at_the_
     logits = torch.randn(4 + 1, vocab)  # race row: 3 drafts + 1; plain sampled row: 1
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=seed), SamplingParams(temperature=1.0)]
     p = compute_probs(logits[None, :4], torch.tensor([0.8]), torch.tensor([0]), torch.tensor([0.9]))[0]
-    race = [int(greedy_argmax(race_scores(p[j:j + 1], seed, position + j))[0]) for j in range(4)]
+    race = [int(greedy_argmax(race_scores(p[j:j + 1], [(seed, position + j)]))[0]) for j in range(4)]
     drafts = [race[0], race[1], (race[2] + 1) % vocab]
     gen, race_gen = make_generator(3), make_generator(4)
     state = race_gen.get_state()
