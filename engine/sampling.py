@@ -175,7 +175,7 @@ _GOLDEN32, _FMIX1, _FMIX2 = _int32(0x9E3779B9), _int32(0x85EBCA6B), _int32(0xC2B
 def race_noise(keys: list[tuple[int, int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``(len(keys), vocab)`` float32 Exp(1) draws, row ``i`` for the token at position
     ``keys[i][1]`` of the sequence seeded ``keys[i][0]``: a function of that pair only (never of
-    k, the batch, the device or what was drawn before).
+    k, the batch or what was drawn before; on another device, up to the last bit of ``log``).
 
     ``argmax(p / noise)`` is then a sample from ``p`` (the exponential race, the same as the
     Gumbel-max trick: ``argmax(log p + g)`` with ``g = -log(noise)``). When the draft model proposes
