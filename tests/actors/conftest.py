@@ -3,6 +3,7 @@ package-scoped, not session-scoped: stopped when tests/actors ends, so its idle 
 take CPU from the timing-sensitive tests that run after it (tests/benchmarks' stub tests)."""
 
 import socket
+import time
 
 import msgspec
 import pytest
@@ -12,6 +13,17 @@ from actors.config import ServeConfig
 TARGET = "checkpoints/stdlib-moe-target"
 DRAFT = "checkpoints/stdlib-draft"
 MODEL_NAME = "stdlib-moe"
+
+
+def wait_until(predicate, timeout_s: float, what: str, poke=None) -> None:
+    """Poll ``predicate`` every 50 ms (calling ``poke`` first, if given) until it holds; fail
+    naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if poke is not None:
+            poke()
+        time.sleep(0.05)
 
 
 def free_port() -> int:
