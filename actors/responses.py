@@ -79,6 +79,7 @@ class ResponseBuilder:
         self.object = "text_completion" if kind == "completion" else "chat.completion"
         self.text = [""] * n
         self.finish = [None] * n
+        self.stop = [None] * n  # vLLM's stop_reason: the stop string or token id that matched (None: EOS, length)
         self.logprobs: list[list[dict]] = [[] for _ in range(n)]
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.want_logprobs = want_logprobs
@@ -103,7 +104,7 @@ class ResponseBuilder:
             # tokens, its finish reason again): a stream says a choice finished exactly once.
             finishes = c["finish_reason"] is not None and self.finish[i] is None
             if finishes:
-                self.finish[i] = c["finish_reason"]
+                self.finish[i], self.stop[i] = c["finish_reason"], c["stop_reason"]
             if c["new_text"] or c["new_token_ids"] or finishes:
                 chunks.append(self._chunk(i, c))
         if item.get("usage"):
@@ -114,13 +115,14 @@ class ResponseBuilder:
     def _chunk(self, i: int, c: dict) -> dict:
         lp = self._lp(c["new_logprobs"] or [], len(self.text[i]) - len(c["new_text"]))
         if self.kind == "completion":
-            choice = {"index": i, "text": c["new_text"], "logprobs": lp, "finish_reason": c["finish_reason"]}
+            choice = {"index": i, "text": c["new_text"], "logprobs": lp}
             obj = "text_completion"
         else:
             delta = {"content": c["new_text"]} if self._role_sent[i] else {"role": "assistant", "content": c["new_text"]}
             self._role_sent[i] = True
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": c["finish_reason"]}
+            choice = {"index": i, "delta": delta, "logprobs": lp}
             obj = "chat.completion.chunk"
+        choice.update(finish_reason=c["finish_reason"], stop_reason=c["stop_reason"] if c["finish_reason"] else None)
         if self.tokenizer is None:
             choice["token_ids"] = list(c["new_token_ids"])
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
@@ -135,10 +137,10 @@ class ResponseBuilder:
         for i, text in enumerate(self.text):
             lp = self._lp(self.logprobs[i])
             if self.kind == "completion":
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i]})
+                choices.append({"index": i, "text": text, "logprobs": lp})
             else:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                                "finish_reason": self.finish[i]})
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp})
+            choices[-1].update(finish_reason=self.finish[i], stop_reason=self.stop[i])
             if self.tokenizer is None:
                 choices[-1]["token_ids"] = self.token_ids[i]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,

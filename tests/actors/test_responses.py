@@ -46,6 +46,23 @@ def test_a_finished_choice_of_an_n_stream_gets_one_finish_chunk_while_the_others
         assert [c["finish_reason"] for c in builder.final()["choices"]] == ["length", "length"]
 
 
+def test_stop_reason_is_reported_as_vllm_does_streamed_and_final():
+    """vLLM's stop_reason: the stop string (or stop token id) that ended a choice, in its finish
+    chunk and the final body; None while it runs and for EOS or length."""
+    for kind in ("completion", "chat"):
+        builder = ResponseBuilder(kind, "m", "cmpl-3", 2, _Tokenizer(), want_logprobs=False)
+        running, stopped, eos = _choice([0], False, 0), _choice([1], True, 1), _choice([2], True, 0)
+        stopped.update(finish_reason="stop", stop_reason="\n\n")
+        eos.update(finish_reason="stop", stop_reason=None)
+        chunks = builder.add({"type": "step", "finished": False, "choices": [running, stopped]})
+        chunks += builder.add({"type": "step", "finished": True, "choices": [eos, {**stopped, "new_token_ids": [], "new_text": "", "new_logprobs": []}]})
+        seen = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"])
+                for c in chunks]
+        assert seen == [(0, None, None), (1, "stop", "\n\n"), (0, "stop", None)], kind
+        assert [(c["finish_reason"], c["stop_reason"]) for c in builder.final()["choices"]] == \
+            [("stop", None), ("stop", "\n\n")], kind
+
+
 def test_logprob_tokens_show_special_tokens_by_name():
     """The end-of-text token's logprob entry reads ``<|endoftext|>`` (vLLM), not an empty string
     that a real empty token or another special token would collide with."""
