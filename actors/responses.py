@@ -122,7 +122,7 @@ class ResponseBuilder:
             self._role_sent[i] = True
             choice = {"index": i, "delta": delta, "logprobs": lp}
             obj = "chat.completion.chunk"
-        choice.update(finish_reason=c["finish_reason"], stop_reason=c["stop_reason"] if c["finish_reason"] else None)
+        choice.update(finish_reason=c["finish_reason"], stop_reason=c["stop_reason"])  # set only at the finish
         if self.tokenizer is None:
             choice["token_ids"] = list(c["new_token_ids"])
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}

@@ -55,7 +55,8 @@ def test_stop_reason_is_reported_as_vllm_does_streamed_and_final():
         stopped.update(finish_reason="stop", stop_reason="\n\n")
         eos.update(finish_reason="stop", stop_reason=None)
         chunks = builder.add({"type": "step", "finished": False, "choices": [running, stopped]})
-        chunks += builder.add({"type": "step", "finished": True, "choices": [eos, {**stopped, "new_token_ids": [], "new_text": "", "new_logprobs": []}]})
+        again = {**stopped, "new_token_ids": [], "new_text": "", "new_logprobs": []}  # finished: repeated, no tokens
+        chunks += builder.add({"type": "step", "finished": True, "choices": [eos, again]})
         seen = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"])
                 for c in chunks]
         assert seen == [(0, None, None), (1, "stop", "\n\n"), (0, "stop", None)], kind

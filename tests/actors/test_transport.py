@@ -139,7 +139,7 @@ def test_an_actor_killed_under_the_graph_hands_the_next_layer_to_the_standby_gra
         hidden, routing = _layer_inputs(9, seed=8)  # rows for both groups
         expected = _expected(1, hidden, routing)
         wait_until(lambda: router.graph.live and router.standby.live, 120, "the graph and its standby",
-              poke=lambda: router.execute(1, hidden, routing))
+                   poke=lambda: router.execute(1, hidden, routing))
         victim, standby = router.graph.members[1], router.standby
         ray.kill(victim.handle)
         torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
