@@ -92,10 +92,13 @@ def _bind_error(host: str, port: int) -> OSError | None:
     return None
 
 
+_OTHER_PORT = "another port: http.port in the config, --port, or `make serve PORT=...`"
+
+
 def check_port(host: str, port: int) -> None:
     if (e := _bind_error(host, port)) is not None:
         raise StartupError(f"http: cannot listen on {host}:{port} ({e.strerror}); is another server "
-                           f"running? Pick another port in the config or with --port") from e
+                           f"running? Pick {_OTHER_PORT}") from e
 
 
 def proxy_start_error(host: str, port: int, error: Exception) -> StartupError:
@@ -105,7 +108,7 @@ def proxy_start_error(host: str, port: int, error: Exception) -> StartupError:
     machine); saying "port taken" then sent users looking for another server."""
     if _bind_error(host, port) is not None:
         return StartupError(f"http: Serve's proxy cannot listen on {host}:{port} ({type(error).__name__}); "
-                            f"pick another port in the config or with --port")
+                            f"pick {_OTHER_PORT}")
     first_line = (str(error).strip().splitlines() or [""])[0][:300]
     return StartupError(f"http: Serve's proxy did not start on {host}:{port}, which is free ({type(error).__name__}"
                         f"{': ' + first_line if first_line else ''}); Serve replaces a proxy that misses its "
@@ -245,6 +248,18 @@ def stop(drain_timeout_s: float = SHUTDOWN_DRAIN_TIMEOUT_S) -> None:
             kill_leftover_ray_processes()
 
 
+def stop_or_force() -> None:
+    """:func:`stop`; a Ctrl-C during it (a user who will not wait for the drain) skips what is left,
+    kills the embedded Ray's processes and says so, instead of ending in a traceback."""
+    from actors.cluster import kill_leftover_ray_processes
+
+    try:
+        stop()
+    except KeyboardInterrupt:
+        print("specmoe: interrupted while stopping; killing Ray's processes", file=sys.stderr)
+        kill_leftover_ray_processes()
+
+
 def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfig:
     """Command-line overrides (for benchmark sweeps), re-validated like the YAML."""
     raw = msgspec.to_builtins(config)
@@ -317,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ignore_sigterm_while_stopping()
         t0 = time.monotonic()
-        stop()
+        stop_or_force()
         print(f"specmoe: stopped in {time.monotonic() - t0:.1f} s")
     return 0
 
@@ -350,7 +365,7 @@ def _stop_if_started() -> None:
 
     ray = sys.modules.get("ray")  # an interruption inside `import ray` leaves it half imported
     if _running or (ray is not None and getattr(ray, "is_initialized", lambda: False)()):
-        stop()  # which kills the leftovers itself
+        stop_or_force()  # which kills the leftovers itself
     else:
         kill_leftover_ray_processes()
 

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -111,16 +113,41 @@ def _own_process_group() -> Iterator[None]:
                     "signal to its pid, not to the group (a group SIGTERM kills Ray before streams drain)")
         yield
         return
+    relay = _signal_relay()
     os.setpgid(0, 0)
     try:
         yield
     finally:
+        relay.stdin.close()  # its end: it exits at end of input
         try:
             os.setpgid(0, original)
         except OSError as e:
-            # The caller's group is gone: whoever started us exited meanwhile (a Ctrl-C during
-            # start-up reaches only the caller's group). Stop rather than run on unreachable.
+            # The caller's group is gone: whoever started us exited meanwhile. Stop rather than
+            # run on unreachable.
             raise RuntimeError(f"the process group that started this server ({original}) is gone: {e}") from e
+        finally:
+            try:
+                relay.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                relay.kill()
+
+
+# Sends SIGINT and SIGTERM on to the pid in argv[1] until its stdin ends. -I -S: no site, no
+# environment; it starts in ~15 ms.
+_RELAY_SOURCE = ("import os, signal, sys\n"
+                 "pid = int(sys.argv[1])\n"
+                 "for s in (signal.SIGINT, signal.SIGTERM):\n"
+                 "    signal.signal(s, lambda n, _: os.kill(pid, n))\n"
+                 "sys.stdin.buffer.read()\n")
+
+
+def _signal_relay() -> subprocess.Popen:
+    """A child left in this process's group while this process is out of it, passing on the group's
+    SIGINT and SIGTERM. Without it a Ctrl-C during ``ray.init`` was lost: the terminal signals its
+    foreground group, and ``make`` (in it) neither forwards the signal nor exits until its child
+    does, so ``make serve`` went on starting."""
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _RELAY_SOURCE, str(os.getpid())],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def kill_leftover_ray_processes(settle_s: float = 1.0) -> None:

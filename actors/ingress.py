@@ -30,6 +30,7 @@ from actors.openai_protocol import (
 )
 from actors.responses import ResponseBuilder, error_body, sse
 from actors.telemetry import RequestTelemetry
+from engine.loader import encode_text
 from engine.request_ranges import check_prompt, check_without_tokenizer
 from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
 from observability import semconv as sc
@@ -235,18 +236,18 @@ class IngressServer:
                                         [req.stop] if isinstance(req.stop, str) else req.stop or [])
         if kind == "completion":
             prompt_text = req.prompt if isinstance(req.prompt, str) else None
-            ids = self.tokenizer.encode(req.prompt).ids if prompt_text is not None else list(req.prompt)
+            ids = encode_text(self.tokenizer, req.prompt) if prompt_text is not None else list(req.prompt)
             logprobs = req.logprobs
         else:
             prompt_text = self.chat_template.render(req.messages)
-            ids = self.tokenizer.encode(prompt_text).ids
+            ids = encode_text(self.tokenizer, prompt_text)
             logprobs = req.num_logprobs
         # The engine's own prompt rules (engine.request_ranges), answered here as 400s.
         with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):
             check_prompt(ids, None, self.vocab_size, self.max_model_len)
             max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion"
                                             else self.max_model_len - len(ids))
-            check_prompt(ids, max_tokens, self.vocab_size, self.max_model_len)
+            check_prompt(ids, max_tokens, self.vocab_size, self.max_model_len, not req.max_tokens)
         with protocol_errors():
             params = req.sampling_params(max_tokens, logprobs)
         return req, ids, prompt_text, params, logprobs is not None

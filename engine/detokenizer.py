@@ -100,7 +100,8 @@ class SequenceOutputState:
     def append(self, token_ids: list[int]) -> AppendResult:
         """Add tokens in order, stopping at the first finish condition; return the text delta.
 
-        Per token: keep it; EOS (unless ``ignore_eos``) or a stop token id -> "stop" (no text);
+        Per token: keep it; EOS (unless ``ignore_eos``) or a stop token id -> "stop" (its text only
+        with ``include_stop_str_in_output``, as in vLLM);
         else decode it, and if a stop string now occurs -> truncate the text before it, "stop";
         then ``max_tokens`` reached -> "length". Tokens after a finish are dropped. Appending to a
         finished sequence keeps nothing.
@@ -119,6 +120,8 @@ class SequenceOutputState:
     def _append_one(self, token: int) -> None:
         self.token_ids.append(token)
         if (token == self.eos_token_id and not self.params.ignore_eos) or token in self._stop_token_ids:
+            if self.params.include_stop_str_in_output:  # vLLM keeps a stop token's text then too
+                self._decode_next(token)
             # vLLM convention: EOS leaves stop_reason None; a stop token id is reported.
             self._finish("stop", None if token == self.eos_token_id and not self.params.ignore_eos
                          else token)

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from engine.args import EngineArgs
 from engine.config import context_window
 from engine.engine import LLMEngine
-from engine.loader import load_model
+from engine.loader import encode_text, load_model
 from engine.outputs import RequestOutput
 from engine.request_ranges import RequestError, check_without_tokenizer, is_token_ids
 from engine.sampling_params import SamplingParams
@@ -114,7 +114,7 @@ class LLM:
                                        f"{prompt!r:.60}", "prompt")
                 if self.tokenizer is None:
                     check_without_tokenizer(text is not None, p.stop)
-                ids = self.tokenizer.encode(prompt).ids if text is not None else list(prompt)
+                ids = encode_text(self.tokenizer, prompt) if text is not None else list(prompt)
                 requests.append(self.engine.add_request(f"offline-{next(self._ids)}", ids, p, prompt=text))
         except Exception:
             for r in requests:

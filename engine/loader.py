@@ -70,6 +70,16 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:
     return tokenizer, template
 
 
+def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    """``text``'s token ids, as ``tokenizer.encode(text).ids``, without holding the GIL meanwhile.
+
+    ``Tokenizer.encode`` holds the GIL for the whole encoding (measured: 2.9 s for a 3.8 MB prompt,
+    during which an event loop calling it through a thread answered nothing); ``encode_batch``
+    releases it and gives the same ids.
+    """
+    return tokenizer.encode_batch([text])[0].ids
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "float32",

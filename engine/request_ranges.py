@@ -124,7 +124,7 @@ def is_token_ids(value) -> bool:
 
 
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, vocab_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_tokens_is_default: bool = False) -> None:
     """A prompt's token ids against the vocabulary and the context window.
 
     Args:
@@ -133,6 +133,8 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, vocab_
         vocab_size: ids must lie in ``[0, vocab_size)``.
         max_model_len: context window in tokens; prompt + max_tokens must fit, and the prompt
             must leave room for at least one output token.
+        max_tokens_is_default: the request set no max_tokens; the error then says the value is
+            the default, so a user who sent none knows where it came from.
 
     Raises:
         RequestError: ``param`` "prompt" (empty, out of vocabulary, too long) or "max_tokens"
@@ -148,5 +150,6 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, vocab_
         raise RequestError(f"the prompt has {num} tokens; this model's context window is {max_model_len} tokens",
                            "prompt", "context_length_exceeded")
     if max_tokens is not None and num + max_tokens > max_model_len:
-        raise RequestError(f"prompt ({num} tokens) + max_tokens ({max_tokens}) exceeds the context window of "
-                           f"{max_model_len} tokens", "max_tokens", "context_length_exceeded")
+        default = ", the default when the request sets none" if max_tokens_is_default else ""
+        raise RequestError(f"prompt ({num} tokens) + max_tokens ({max_tokens}{default}) exceeds the context window "
+                           f"of {max_model_len} tokens", "max_tokens", "context_length_exceeded")

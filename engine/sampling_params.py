@@ -30,10 +30,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         seed: seeds this request's own ``torch.Generator``; None draws a random seed.
         stop: up to 4 non-empty strings that end the sequence (one string: that one); the matched
             string is not part of the text unless ``include_stop_str_in_output``.
-        stop_token_ids: token ids that end the sequence (kept in token_ids, not in text).
+        stop_token_ids: token ids that end the sequence (kept in token_ids; in the text only with
+            ``include_stop_str_in_output``).
         ignore_eos: keep going past the model's end-of-sequence token.
-        include_stop_str_in_output: keep the matched stop string at the end of the text (vLLM's
-            extension; the text is still cut right after it).
+        include_stop_str_in_output: keep the matched stop string, or the stop token's text, at the
+            end of the text (vLLM's extension; the text is still cut right after it).
         logprobs: number of top alternatives (0..5) whose target log-probabilities are returned
             per output token; None returns none.
         num_speculative_tokens: draft length k for this request (0..16, at most the engine's); None

@@ -32,7 +32,8 @@ def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
     else:
         monkeypatch.setenv("RAY_ADDRESS", ray_address)
     port = _start_on_a_port_in_use()
-    assert f"127.0.0.1:{port}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "`make serve PORT=...`" in err  # make users set PORT, not --port
 
 
 def test_a_port_taken_after_the_check_is_a_clear_startup_error(capsys, monkeypatch):
@@ -54,7 +55,7 @@ def test_a_proxy_that_dies_on_a_free_port_is_not_called_a_port_clash():
         taken = serve_app.proxy_start_error("127.0.0.1", port, RuntimeError("x"))
     free = serve_app.proxy_start_error("127.0.0.1", port, RuntimeError("The actor died unexpectedly\nmore"))
     assert str(taken) == (f"http: Serve's proxy cannot listen on 127.0.0.1:{port} (RuntimeError); pick another "
-                          f"port in the config or with --port")
+                          f"port: http.port in the config, --port, or `make serve PORT=...`")
     assert f"proxy did not start on 127.0.0.1:{port}, which is free (RuntimeError: The actor died unexpectedly)" \
         in str(free) and "more" not in str(free)
 
@@ -271,6 +272,32 @@ def test_a_second_sigterm_does_not_cut_the_shutdown_short(monkeypatch, capsys):
     assert stopped == [True]
     assert "already shutting down" in capsys.readouterr().err
 
+
+def test_a_ctrl_c_during_the_shutdown_kills_ray_without_a_traceback(monkeypatch, capsys):
+    """A new user's second Ctrl-C while the server drained ended in a traceback."""
+    import signal
+    import threading
+
+    import actors.cluster
+
+    def fake_stop(*_):
+        os.kill(os.getpid(), signal.SIGINT)  # the user does not wait for the drain
+        time.sleep(1)  # the handler runs here
+
+    killed = []
+    monkeypatch.setattr(serve_app, "start", lambda *a, **k: "http://127.0.0.1:1")
+    monkeypatch.setattr(serve_app, "stop", fake_stop)
+    monkeypatch.setattr(actors.cluster, "kill_leftover_ray_processes", lambda: killed.append(True))
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        assert serve_app.main([]) == 0
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])
+    assert killed == [True]
+    out = capsys.readouterr()
+    assert "interrupted while stopping; killing Ray's processes" in out.err and "stopped in" in out.out
 
 def test_embedded_start_ignores_a_stale_ray_current_cluster(monkeypatch):
     """`ray start` and ray.cluster_utils record their head in <ray temp dir>/ray_current_cluster and

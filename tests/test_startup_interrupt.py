@@ -1,4 +1,4 @@
-"""A server stopped while it is still starting leaves no process behind.
+"""A server stopped while it is still starting stops, and leaves no process behind.
 
 SIGTERM a few seconds into start-up lands inside ``ray.init``: Ray then reports not initialized,
 so nothing was shut down, and Ray's dashboard and runtime-env agents stayed alive as orphans that
@@ -30,6 +30,30 @@ def _group(pgid: int) -> list[str]:
     return out
 
 
+def _wait_for_ray_agents(group: int, alive: subprocess.Popen) -> None:
+    """Until Ray's agents run in process group ``group``: ``ray.init`` is under way."""
+    deadline = time.monotonic() + 60
+    while not any(c.startswith(RAY_AGENTS) for c in _group(group)):
+        assert alive.poll() is None and time.monotonic() < deadline, "Ray's agents never started"
+        time.sleep(0.05)
+
+
+def _assert_group_ends(group: int) -> None:
+    deadline = time.monotonic() + 5  # Ray's own processes may take a moment to exit
+    while (left := _group(group)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running after the server exited: {left}"
+
+
+def _kill_group(group: int) -> None:
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == group:
+                p.kill()
+        except (ProcessLookupError, psutil.Error):
+            continue
+
+
 def test_sigterm_inside_ray_init_leaves_no_ray_process():
     # A session of its own: the server leads its group, which Ray's processes share (the case a
     # group signal cannot clean up without killing the server itself).
@@ -37,20 +61,41 @@ def test_sigterm_inside_ray_init_leaves_no_ray_process():
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "RAY_ADDRESS": "local"})
     try:
-        deadline = time.monotonic() + 60
-        while not any(c.startswith(RAY_AGENTS) for c in _group(proc.pid)):  # Ray's node is starting
-            assert proc.poll() is None and time.monotonic() < deadline, "Ray's agents never started"
-            time.sleep(0.05)
+        _wait_for_ray_agents(proc.pid, proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 5  # Ray's own processes may take a moment to exit
-        while (left := _group(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not left, f"left running after the server exited: {left}"
+        _assert_group_ends(proc.pid)
     finally:
-        for p in psutil.process_iter():
-            try:
-                if os.getpgid(p.pid) == proc.pid:
-                    p.kill()
-            except (ProcessLookupError, psutil.Error):
-                continue
+        _kill_group(proc.pid)
+
+
+# A launcher like make: leads the terminal's group, catches SIGINT without passing it on, and waits
+# for its child.
+LAUNCHER = ("import signal, subprocess, sys\n"
+            "signal.signal(signal.SIGINT, lambda *_: None)\n"
+            "sys.exit(subprocess.call(sys.argv[1:]))\n")
+
+
+def test_ctrl_c_inside_ray_init_under_a_launcher_stops_the_start():
+    """A new user's Ctrl-C 2.5-3 s into `make serve` was lost: during ``ray.init`` the server sits in
+    a process group of its own (so that a group SIGTERM cannot kill Ray before streams drain), and
+    the terminal's SIGINT reaches only the launcher's group."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, sys.executable, "serve_app.py", "--port",
+                                 str(free_port())], start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env={**os.environ, "RAY_ADDRESS": "local"})
+    server = None
+    try:
+        deadline = time.monotonic() + 30
+        while not (children := psutil.Process(launcher.pid).children()):
+            assert time.monotonic() < deadline, "the launcher started nothing"
+            time.sleep(0.05)
+        server = children[0].pid
+        _wait_for_ray_agents(server, launcher)
+        assert os.getpgid(server) == server != launcher.pid  # inside ray.init, out of the terminal's group
+        os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        assert launcher.wait(timeout=60) == 0  # the server's exit code
+        _assert_group_ends(server)
+    finally:
+        _kill_group(launcher.pid)
+        if server is not None:
+            _kill_group(server)

@@ -9,7 +9,7 @@ import pytest
 
 from actors.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplate
 from actors.openai_protocol import ChatMessage, ProtocolError
-from engine.loader import load_tokenizer
+from engine.loader import encode_text, load_tokenizer
 
 # A ChatML-style template of the kind Qwen checkpoints ship, with a transformers-style refusal.
 CHATML = (
@@ -35,6 +35,7 @@ def test_the_checkpoints_template_renders_the_conversation(checkpoint_with_templ
     assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                       "<|im_start|>assistant\n")
     assert tokenizer.decode(tokenizer.encode(prompt).ids) == prompt
+    assert encode_text(tokenizer, prompt) == tokenizer.encode(prompt).ids  # the special tokens too
 
 
 def test_no_template_uses_the_plain_one():

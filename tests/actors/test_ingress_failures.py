@@ -232,3 +232,41 @@ def test_a_replica_dying_mid_stream_fails_over_with_prompt_plus_emitted_tokens()
     assert ids2 == ids + [11, 12] and params2["max_tokens"] == 2 and params["max_tokens"] == 4
     assert text is not None and text2 is None
     assert dies.cancelled and server._probe is None  # failed over: nothing marks the verifier gone
+
+
+@pytest.mark.timeout(120)
+def test_health_answers_while_a_long_prompt_is_tokenised():
+    """A new user's 3.8 MB prompt (under the 4 MB body limit) held the ingress's event loop for its
+    2.9 s of tokenising (``Tokenizer.encode`` keeps the GIL), and `/health` waited behind it."""
+    _, app = _server(FakeVerifier())
+    prompt = "def f(x):\n    return x * 2  # double\n" * 80_000  # ~3 MB, far past the context window
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            t0 = time.monotonic()
+            long = asyncio.create_task(client.post("/v1/completions", json={**BODY, "prompt": prompt}))
+            health_s = []
+            while not long.done():
+                t = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                health_s.append(time.monotonic() - t)
+                await asyncio.sleep(0.05)
+            return await long, time.monotonic() - t0, health_s
+
+    refused, long_s, health_s = asyncio.run(go())
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert long_s > 0.5 and len(health_s) >= 3, "the prompt was tokenised too fast to overlap the probes"
+    assert max(health_s) < long_s / 4, (max(health_s), long_s)
+
+
+def test_the_context_window_error_says_when_max_tokens_is_the_default():
+    _, app = _server(FakeVerifier())
+    body = {k: v for k, v in BODY.items() if k != "max_tokens"}
+    unset, explicit = _run(app, [{**body, "prompt": [5] * 1015}, {**BODY, "prompt": [5] * 1015, "max_tokens": 16}])
+    assert unset.status_code == explicit.status_code == 400
+    assert unset.json()["error"]["message"] == ("prompt (1015 tokens) + max_tokens (16, the default when the "
+                                                "request sets none) exceeds the context window of 1024 tokens")
+    assert explicit.json()["error"]["message"] == ("prompt (1015 tokens) + max_tokens (16) exceeds the context "
+                                                   "window of 1024 tokens")
+    assert unset.json()["error"]["param"] == "max_tokens"

@@ -147,6 +147,19 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_cuts_after_it(tok,
     assert make(tok, stop=["mark"]).append(ids).text_delta == text[:start]  # the default leaves it out
 
 
+@pytest.mark.parametrize("pos", [0, RUN - 1])
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(tok, pos):
+    """vLLM drops a stop token's text by default and keeps it with include_stop_str_in_output."""
+    ids = tok.encode(ASCII).ids
+    stop_id = ids[PREFIX + pos]
+    kept = ids[:ids.index(stop_id) + 1]  # the stop id's first occurrence ends the sequence
+    state = make(tok, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    deltas = feed(state, split_run(ids))
+    assert (state.token_ids, state.finish_reason, state.stop_reason) == (kept, "stop", stop_id)
+    assert state.text == "".join(deltas) == tok.decode(kept)
+    assert len(tok.decode(kept)) > len(tok.decode(kept[:-1]))  # the token has text to keep
+    assert make(tok, stop_token_ids=[stop_id]).append(ids).text_delta == tok.decode(kept[:-1])
+
 def test_stop_string_spanning_two_tokens_is_held_back_then_cut(tok):
     ids = tok.encode(ASCII).ids
     pieces = [tok.decode([t]) for t in ids]
