@@ -30,8 +30,8 @@ from actors.openai_protocol import (
 )
 from actors.responses import ResponseBuilder, error_body, sse
 from actors.telemetry import RequestTelemetry
-from engine.loader import encode_text
-from engine.request_ranges import check_prompt, check_without_tokenizer
+from engine.loader import encode_text, max_chars_per_token
+from engine.request_ranges import check_prompt, check_prompt_chars, check_without_tokenizer
 from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
 from observability import semconv as sc
 
@@ -151,6 +151,8 @@ class IngressServer:
         # skip_tokenizer_init: no tokenizer; token-id prompts only, token ids in the responses.
         self.tokenizer, template = (None, None) if config.engine.skip_tokenizer_init else load_tokenizer(Path(model_path))
         self.chat_template = ChatTemplate(template)
+        # A prompt too long for the window is refused before tokenising where the tokenizer allows.
+        self.max_chars_per_token = None if self.tokenizer is None else max_chars_per_token(self.tokenizer)
         self._ids = itertools.count()
         setup_tracing("ingress", config.tracing)
         # The engine's running/waiting gauges are the ones served (include_state_gauges=False).
@@ -236,14 +238,15 @@ class IngressServer:
                                         [req.stop] if isinstance(req.stop, str) else req.stop or [])
         if kind == "completion":
             prompt_text = req.prompt if isinstance(req.prompt, str) else None
-            ids = encode_text(self.tokenizer, req.prompt) if prompt_text is not None else list(req.prompt)
             logprobs = req.logprobs
         else:
             prompt_text = self.chat_template.render(req.messages)
-            ids = encode_text(self.tokenizer, prompt_text)
             logprobs = req.num_logprobs
         # The engine's own prompt rules (engine.request_ranges), answered here as 400s.
         with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):
+            if prompt_text is not None:
+                check_prompt_chars(len(prompt_text), self.max_chars_per_token, self.max_model_len)
+            ids = encode_text(self.tokenizer, prompt_text) if prompt_text is not None else list(req.prompt)
             check_prompt(ids, None, self.vocab_size, self.max_model_len)
             max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion"
                                             else self.max_model_len - len(ids))

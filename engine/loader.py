@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig, load_model_config
@@ -78,6 +78,26 @@ def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
     releases it and gives the same ids.
     """
     return tokenizer.encode_batch([text])[0].ids
+
+
+def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most characters one token can stand for, or None where no such bound holds.
+
+    A byte-level BPE without a normalizer (GPT-2, Llama 3, Qwen) covers every byte of the text
+    with tokens of known bytes, so a text of ``n`` characters (at least ``n`` UTF-8 bytes) has at
+    least ``n / max token bytes`` tokens: a prompt can be refused as too long before it is
+    tokenised (a 3.8 MB prompt took 2.9 s of CPU to tokenise only to be refused). Tokenizers that
+    can map a span of any length to one token (WordPiece's or a fused BPE's unknown token) or
+    that normalise the text first get None.
+    """
+    pre = tokenizer.pre_tokenizer
+    if tokenizer.normalizer is not None or not isinstance(tokenizer.model, models.BPE) \
+            or not isinstance(pre, pre_tokenizers.ByteLevel):
+        return None
+    # Special tokens' text counts too (the prompt may spell them); a token that ends inside a
+    # character decodes to U+FFFD, 3 bytes, never fewer than its own.
+    return max(len(tokenizer.decode([i], skip_special_tokens=False).encode())
+               for i in range(tokenizer.get_vocab_size(with_added_tokens=True)))
 
 
 def load_model(

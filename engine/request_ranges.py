@@ -123,6 +123,27 @@ def is_token_ids(value) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def check_prompt_chars(num_chars: int, max_chars_per_token: int | None, max_model_len: int) -> None:
+    """Refuse a text prompt too long for the context window before tokenising it.
+
+    Args:
+        num_chars: the prompt text's length in characters.
+        max_chars_per_token: :func:`engine.loader.max_chars_per_token` (None: no bound, no check).
+        max_model_len: context window in tokens.
+
+    Raises:
+        RequestError: ``param`` "prompt", ``code`` "context_length_exceeded", when the prompt has
+            at least ``ceil(num_chars / max_chars_per_token) >= max_model_len`` tokens (as
+            :func:`check_prompt` would find after tokenising).
+    """
+    if max_chars_per_token is None:
+        return
+    at_least = -(-num_chars // max_chars_per_token)
+    if at_least >= max_model_len:
+        raise RequestError(f"the prompt has at least {at_least} tokens ({num_chars} characters); this model's "
+                           f"context window is {max_model_len} tokens", "prompt", "context_length_exceeded")
+
+
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, vocab_size: int,
                  max_model_len: int, max_tokens_is_default: bool = False) -> None:
     """A prompt's token ids against the vocabulary and the context window.

@@ -237,8 +237,11 @@ def test_a_replica_dying_mid_stream_fails_over_with_prompt_plus_emitted_tokens()
 @pytest.mark.timeout(120)
 def test_health_answers_while_a_long_prompt_is_tokenised():
     """A new user's 3.8 MB prompt (under the 4 MB body limit) held the ingress's event loop for its
-    2.9 s of tokenising (``Tokenizer.encode`` keeps the GIL), and `/health` waited behind it."""
-    _, app = _server(FakeVerifier())
+    2.9 s of tokenising (``Tokenizer.encode`` keeps the GIL), and `/health` waited behind it. (Such a
+    prompt is now refused before tokenising: the bound is switched off here, as for a tokenizer
+    that allows none.)"""
+    server, app = _server(FakeVerifier())
+    server.max_chars_per_token = None
     prompt = "def f(x):\n    return x * 2  # double\n" * 80_000  # ~3 MB, far past the context window
 
     async def go():
@@ -270,3 +273,19 @@ def test_the_context_window_error_says_when_max_tokens_is_the_default():
     assert explicit.json()["error"]["message"] == ("prompt (1015 tokens) + max_tokens (16) exceeds the context "
                                                    "window of 1024 tokens")
     assert unset.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising(monkeypatch):
+    from actors import ingress
+
+    def no_tokenising(*_):
+        raise AssertionError("tokenised")
+
+    server, app = _server(FakeVerifier())
+    monkeypatch.setattr(ingress, "encode_text", no_tokenising)
+    chars = server.max_chars_per_token * server.max_model_len  # at least max_model_len tokens
+    (refused,) = _run(app, [{**BODY, "prompt": "x" * chars}])
+    assert refused.status_code == 400
+    assert refused.json()["error"] == {
+        "message": f"the prompt has at least 1024 tokens ({chars} characters); this model's context window is "
+                   "1024 tokens", "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
