@@ -30,6 +30,13 @@ UNSUPPORTED: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "length_penalty": (1,),
     "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,), "prompt_logprobs": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "logits_processors": ([],), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+}
+# The same for vLLM's chat-only request fields (a template or turn handling of the request's own).
+UNSUPPORTED_CHAT: dict[str, tuple] = {
+    "chat_template": (), "chat_template_kwargs": ({},), "add_generation_prompt": (True,),
+    "continue_final_message": (False,), "documents": (),
 }
 
 
@@ -56,6 +63,7 @@ def protocol_errors(rename: dict[str, str] | None = None) -> Iterator[None]:
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (not implemented: a 400)
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -97,6 +105,14 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED
 
     # Fields a client may send as null for "the default" (OpenAI's schema marks them nullable).
     null_means_default: ClassVar[dict[str, object]] = {"n": 1, "stream": False, "ignore_eos": False, "priority": 0,
@@ -108,7 +124,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
                 setattr(self, name, default)
 
     def check_unsupported(self) -> None:
-        for name, no_op in UNSUPPORTED.items():
+        for name, no_op in self.unsupported.items():
             value = getattr(self, name)
             if value is not None and value not in no_op:  # (the field types keep bools from equalling 0)
                 only = f" (only {', '.join(msgspec.json.encode(v).decode() for v in no_op)})" if no_op else ""
@@ -127,6 +143,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
         self.check_unsupported()
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer
             raise ProtocolError("'stream_options' is only allowed with 'stream': true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ProtocolError("'stream_options.continuous_usage_stats' is not supported by this server (only "
+                                "false; 'include_usage' gives the usage in a last chunk)", "stream_options")
         with protocol_errors():
             for name in ("max_tokens", "temperature", "top_p", "n", "top_k", "seed", "stop_token_ids",
                          "num_speculative_tokens", "priority"):
@@ -202,7 +221,13 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    documents: Any = None
     null_means_default: ClassVar[dict[str, object]] = {**_Sampling.null_means_default, "logprobs": False}
+    unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **UNSUPPORTED_CHAT}
 
     def validate(self) -> None:
         if self.max_completion_tokens is not None:

@@ -152,6 +152,11 @@ class LLMEngine:
                                f"{bad[:5]}{' ...' if len(bad) > 5 else ''}", param="stop_token_ids")
         if self.target.tokenizer is None:
             check_without_tokenizer(False, params.stop)
+        sched = self.scheduler.config
+        if params.n > sched.max_num_seqs + sched.max_waiting:  # never accepted: a 400, not "retry later"
+            raise RequestError(f"'n' must be at most {sched.max_num_seqs + sched.max_waiting} (this server's "
+                               f"{sched.max_num_seqs} running + {sched.max_waiting} waiting sequences), got "
+                               f"{params.n}", param="n")
         if not self.scheduler.can_accept(params.n):
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")

@@ -121,6 +121,22 @@ def test_a_request_may_lower_its_draft_length_but_not_raise_it_and_stop_ids_are_
                                    f"{vocab_size + 4}] ...") and len(str(err.value)) < 200
 
 
+
+def test_an_n_beyond_the_servers_capacity_is_refused_not_queued_for_a_retry():
+    """A new user's n = 5 on a server of 2 running + 2 waiting sequences got 503 "retry later" when
+    idle, which no retry could change."""
+    from engine import LLM, SamplingParams
+    from engine.request_ranges import RequestError
+    from engine.scheduler import SchedulerConfig
+    from tests.engine.bundled import TARGET
+
+    llm = LLM(TARGET, max_num_seqs=2)
+    llm.engine.scheduler.config = SchedulerConfig(max_num_seqs=2, max_waiting=2)  # the server's kind of queue
+    with pytest.raises(RequestError, match=r"'n' must be at most 4 .*2 running \+ 2 waiting.*got 5") as err:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, n=5))
+    assert err.value.param == "n" and not llm.engine.has_unfinished_requests()
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, n=4))[0].outputs) == 4
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"speculative_method": "eagle"}, r"^speculative_method: Invalid enum value 'eagle'"),
     ({"speculative_method": "DRAFT", "draft_model": "x"}, r"^speculative_method: Invalid enum value 'DRAFT'"),

@@ -139,6 +139,10 @@ def test_a_known_field_of_the_wrong_type_is_a_400_naming_it(schema, field, value
     ("suffix", "", "end"), ("echo", False, True), ("presence_penalty", 0.0, 0.5),
     ("repetition_penalty", 1.0, 1.2), ("min_p", 0, 0.1), ("min_tokens", 0, 3), ("use_beam_search", False, True),
     ("prompt_logprobs", None, 1), ("guided_json", None, {"type": "object"}),
+    # vLLM fields a new user found answered 200 with them ignored:
+    ("structured_outputs", None, {"regex": "a+"}), ("allowed_token_ids", None, [5]), ("bad_words", [], ["def"]),
+    ("truncate_prompt_tokens", None, 1), ("skip_special_tokens", True, False),
+    ("spaces_between_special_tokens", True, False), ("logits_processors", [], ["m.f"]),
 ])
 @pytest.mark.parametrize("schema", [CompletionRequest, ChatCompletionRequest])
 def test_an_unsupported_parameter_is_refused_by_name_unless_it_asks_for_nothing(schema, field, no_op, refused):
@@ -149,6 +153,29 @@ def test_an_unsupported_parameter_is_refused_by_name_unless_it_asks_for_nothing(
         decode_request(msgspec.json.encode({**body, field: refused}), schema)
     assert (err.value.param, err.value.status) == (field, 400)
 
+
+
+@pytest.mark.parametrize(("field", "no_op", "refused"), [
+    ("chat_template", None, "{{ messages }}"), ("chat_template_kwargs", {}, {"enable_thinking": True}),
+    ("add_generation_prompt", True, False), ("continue_final_message", False, True), ("documents", None, []),
+])
+def test_vllm_chat_fields_are_refused_unless_they_ask_for_nothing(field, no_op, refused):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    decode_request(msgspec.json.encode({**body, field: no_op}), ChatCompletionRequest)
+    with pytest.raises(ProtocolError, match=f"'{field}' is not supported by this server") as err:
+        decode_request(msgspec.json.encode({**body, field: refused}), ChatCompletionRequest)
+    assert (err.value.param, err.value.status) == (field, 400)
+
+
+def test_continuous_usage_stats_is_refused():
+    body = {"model": "m", "prompt": "x", "stream": True}
+    ok = decode_request(msgspec.json.encode({**body, "stream_options": {"continuous_usage_stats": False}}),
+                        CompletionRequest)
+    assert ok.stream_options.continuous_usage_stats is False
+    with pytest.raises(ProtocolError, match="continuous_usage_stats' is not supported") as err:
+        decode_request(msgspec.json.encode({**body, "stream_options": {"continuous_usage_stats": True}}),
+                       CompletionRequest)
+    assert err.value.param == "stream_options"
 
 @pytest.mark.parametrize(("body", "schema", "param"), [
     ({"prompt": "x"}, CompletionRequest, "model"), ({"model": "m"}, CompletionRequest, "prompt"),
