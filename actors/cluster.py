@@ -267,7 +267,7 @@ def kill_detached_actors(namespace: str, prefix: str) -> list[str]:
     """
     import ray
 
-    from actors.compiled_graph import kill_actor
+    from actors.teardown import kill_actor
 
     killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):

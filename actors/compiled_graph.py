@@ -26,13 +26,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from actors import graph_proxy
 from actors.graph_park import PARK
+from actors.graph_records import Execution, GraphStats
+from actors.teardown import teardown_graph, teardown_graph_in_background
 
 log = logging.getLogger(__name__)
 
@@ -40,36 +41,6 @@ MESSAGE_OVERHEAD_BYTES = 64 * 1024  # one execution's pickling, counts and trace
 # Held while a graph picks its members and records them as bound (:meth:`ActorGraph.bound`), so that
 # two graphs over one pool (a live one and its standby) never pick the same actor.
 _SELECTING = threading.Lock()
-
-
-@dataclass
-class GraphStats:
-    """Counters of the graph's life (verifier stats, tests, benchmarks)."""
-
-    builds: int = 0
-    build_failures: int = 0
-    executions: int = 0
-    failures: int = 0
-    parks: int = 0  # idle periods spent parked (actors blocked, not polling)
-    oversize: int = 0  # messages too large for the channels, sent another way
-    rebuilds: int = 0
-    late: int = 0  # executions past their hedge deadline (the graph dropped, the caller hedged)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-
-@dataclass
-class Execution:
-    """One submitted graph execution: the graph it went to, its result reference, when it was
-    submitted (``time.monotonic()``), and whether :meth:`ActorGraph.wait` gave up on it at its
-    hedge deadline."""
-
-    dag: Any
-    ref: Any
-    sent_mono_s: float = 0.0
-    late: bool = False
 
 
 class ActorGraph:
@@ -340,7 +311,7 @@ class ActorGraph:
         finally:
             self._building, self._pending = False, []
             if dag is not None:
-                _teardown(dag)
+                teardown_graph(dag)
 
     def _janitor_loop(self) -> None:
         while not self._closed:
@@ -361,7 +332,7 @@ class ActorGraph:
 
     def _retire(self) -> None:
         """Drop the live graph and tear it down in the background (under the lock)."""
-        self._teardowns.append(_teardown_in_background(self._drop(), self.name))
+        self._teardowns.append(teardown_graph_in_background(self._drop(), self.name))
 
     def _drop(self):
         """Forget the live graph (under the lock) and return it for a teardown; a parked one is
@@ -390,28 +361,6 @@ class ActorGraph:
             self._closed = True
             dag = self._drop()
         if dag is not None:
-            _teardown(dag)
+            teardown_graph(dag)
         for t in self._teardowns:  # a rebuild's teardown still running would outlive Ray's shutdown
             t.join(timeout=max(10.0, self.timeout_s))
-
-
-def _teardown(dag) -> None:
-    try:
-        dag.teardown()
-    except Exception:  # a graph whose actor died may already have torn itself down
-        log.debug("compiled graph teardown failed", exc_info=True)
-
-
-def _teardown_in_background(dag, name: str) -> threading.Thread:
-    # Teardown waits for every actor's loop to stop; a hung actor must not stall the engine thread.
-    thread = threading.Thread(target=_teardown, args=(dag,), name=f"{name}-graph-teardown", daemon=True)
-    thread.start()
-    return thread
-
-
-def kill_actor(handle) -> None:
-    """``ray.kill`` without restart; an actor already gone is fine."""
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:
-        pass

@@ -22,8 +22,9 @@ import numpy as np
 import ray
 import torch
 
-from actors.compiled_graph import ActorGraph, kill_actor
+from actors.compiled_graph import ActorGraph
 from actors.graph_park import GraphParking
+from actors.teardown import kill_actor
 from actors.wire import from_bytes, to_bytes
 from engine.drafters.base import DraftProposal, DraftRequest
 

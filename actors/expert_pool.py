@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from actors.compiled_graph import kill_actor
 from actors.config import ExpertPoolConfig
 from actors.expert_actor import ExpertActor
+from actors.teardown import kill_actor
 
 log = logging.getLogger(__name__)
 

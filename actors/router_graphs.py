@@ -280,7 +280,7 @@ class RouterGraphs:
 
     def graph_stats(self) -> dict:
         """The live graph's state and members, the standby's, and both graphs' counters summed
-        (:class:`actors.compiled_graph.GraphStats` fields: the two swap roles)."""
+        (:class:`actors.graph_records.GraphStats` fields: the two swap roles)."""
         if self.graph is None:
             return {}
         return {"graph_live": self.graph.live, "graph_parked": self.graph.parked,

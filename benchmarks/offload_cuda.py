@@ -5,7 +5,7 @@ with half the experts resident, with and without prefetch, against everything re
 
 The checkpoint: ``benchmarks/engine_cuda.py --checkpoint-dir`` writes a Mixtral-shaped random bf16
 one (one (layer, expert) entry is w1, w3, w2: 3 x 14336 x 4096 bf16 = 352 MB). On CUDA the slow
-tier is pinned host memory copied on a side stream (:class:`engine.expert_offload.PinnedHostTier`);
+tier is pinned host memory copied on a side stream (:class:`engine.expert_tiers.PinnedHostTier`);
 elsewhere the spill file (the same code runs, for a smoke run).
 
 1. Transfer: one entry loaded into a resident slot, timed around the load and a sync: GB/s of

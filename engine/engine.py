@@ -17,7 +17,8 @@ import time
 from collections.abc import Iterable
 
 from engine.config import context_window
-from engine.drafters.base import Drafter, DraftProposal, DraftRequest, NoneDrafter
+from engine.cost_feedback import build_controller, learns_costs, observe_costs, take_distinct_experts
+from engine.drafters.base import Drafter, DraftProposal, DraftRequest
 from engine.drafters.eagle import FeatureHistory
 from engine.emission import emit_tokens
 from engine.errors import QueueFull
@@ -25,13 +26,12 @@ from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
-from engine.request_ranges import RequestError, check_prompt, check_without_tokenizer
+from engine.request_ranges import check_draft_length, check_prompt, check_stop_ids, check_without_tokenizer
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
 from engine.slo import SLOPolicy
-from engine.spec_controller import Decision, SpeculationController, SpeculativePolicy
-from engine.spec_cost import ActivationMeter, ExpertActivation
+from engine.spec_controller import Decision, SpeculativePolicy
 from engine.verification import build_verify_batch, verify
 from kernels.rejection import PLACEHOLDER_TOKEN_ID
 
@@ -81,7 +81,7 @@ class LLMEngine:
         self.num_steps = 0
         self.finished_by_reason: dict[str, int] = {}
         self._requests: dict[str, list[Sequence]] = {}
-        self.controller = self._build_controller(speculative_policy)
+        self.controller = build_controller(target, drafter, speculative_policy, self.scheduler.config)
         self.slo = SLOPolicy(self.scheduler, self.controller)
         self.draft_length_counts = [0] * (MAX_SPECULATIVE_TOKENS + 1)  # decoding sequences by chosen k
         self.num_spec_off_steps = 0
@@ -89,24 +89,6 @@ class LLMEngine:
         # Windows drafted ahead (engine.drafters.pipelined): used by the next proposal, or discarded.
         self.num_pipelined_windows = {"used": 0, "discarded": 0}
         self._drafting_ahead: set[str] = set()
-
-    def _build_controller(self, policy: SpeculativePolicy) -> SpeculationController:
-        moe = self.target.config.moe
-        activation = None
-        max_k = MAX_SPECULATIVE_TOKENS if not isinstance(self.drafter, NoneDrafter) else 0
-        if moe is not None and self.target.model.experts is not None and self._learns_costs(max_k):
-            # Meter the target's experts: the distinct experts a verify pass activates are the MoE
-            # part of its cost (engine.spec_cost).
-            if not isinstance(self.target.model.experts, ActivationMeter):  # a reused target has one
-                self.target.model.experts = ActivationMeter(self.target.model.experts)
-            activation = ExpertActivation(moe.num_experts, len(moe.sparse_layers), moe.top_k)
-        return SpeculationController(max_k, policy, activation)
-
-    def _learns_costs(self, max_k: int) -> bool:
-        """Whether steps feed the online cost model: it chooses draft lengths (max_k > 0) and
-        predicts step times for latency budgets (SLO classes). A plain-decoding engine without
-        SLO classes has no reader for it, so its steps skip the metering and the fit."""
-        return max_k > 0 or bool(self.scheduler.config.slo_classes)
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -140,16 +122,10 @@ class LLMEngine:
         """Raise what :meth:`add_request` raises, before it adds anything."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        k = params.num_speculative_tokens
-        if k is not None and k > self.num_speculative_tokens:
-            raise RequestError(f"'num_speculative_tokens' must be at most {self.num_speculative_tokens} (the "
-                               f"engine's num_speculative_tokens), got {k}", param="num_speculative_tokens")
+        check_draft_length(params.num_speculative_tokens, self.num_speculative_tokens)
         vocab_size = self.target.config.vocab_size
         check_prompt(prompt_token_ids, params.max_tokens, vocab_size, self.max_model_len)
-        bad = [t for t in params.stop_token_ids or () if t >= vocab_size]
-        if bad:  # the first few only: a long list must not come back whole in the error
-            raise RequestError(f"'stop_token_ids' must be below the vocabulary size {vocab_size}, got "
-                               f"{bad[:5]}{' ...' if len(bad) > 5 else ''}", param="stop_token_ids")
+        check_stop_ids(params.stop_token_ids, vocab_size)
         if self.target.tokenizer is None:
             check_without_tokenizer(False, params.stop)
         sched = self.scheduler.config
@@ -214,10 +190,10 @@ class LLMEngine:
                     t1 = time.perf_counter()
                 self._verify_and_emit(sched, drafts)
                 target_s = time.perf_counter() - t1
-                fits = self._learns_costs(self.controller.max_k) and self.controller.fits_last_step
-                distinct = self._take_distinct_experts(fits)
+                fits = learns_costs(self.controller.max_k, self.scheduler.config) and self.controller.fits_last_step
+                distinct = take_distinct_experts(self.target.model, fits)
                 if fits:
-                    self._observe_costs(t1 - t0, target_s, drafts, sched, distinct)
+                    observe_costs(self.controller, t1 - t0, target_s, drafts, sched, distinct, self._catchup)
                 if not sched.prefills:  # the realised goodput check compares pure-decode steps only
                     self.controller.observe_goodput(self.stats.num_emitted_tokens - before[2],
                                                     time.perf_counter() - start)
@@ -291,25 +267,6 @@ class LLMEngine:
         self.num_pipelined_windows["discarded"] += len(self._drafting_ahead) - used
         self._drafting_ahead = {sid for sid, p in drafts.items() if p.drafting_ahead}
         return drafts
-
-    def _take_distinct_experts(self, count: bool) -> int | None:
-        """Distinct (layer, expert) pairs the step's target forward activated (None: not metered,
-        or not ``count``-ed: the step is not fed to the cost model)."""
-        meter = self.target.model.experts
-        return meter.take(count) if isinstance(meter, ActivationMeter) else None
-
-    def _observe_costs(self, draft_s: float, target_s: float, drafts: dict[str, DraftProposal],
-                       sched: SchedulerOutput, distinct: int | None) -> None:
-        """Feed the step's measured costs to the controller (draft phase; target + verify).
-
-        Windows drafted ahead (pipelined) cost this step's draft phase nothing but the hop, so
-        only the others count as drafted work."""
-        lengths = [len(p.token_ids) for p in drafts.values()]
-        drafted = [len(p.token_ids) for p in drafts.values() if not p.pipelined]
-        catchup = sum(self._catchup.get(sid, 0) for sid, p in drafts.items() if not p.pipelined)
-        tokens = sum(sched.chunks.values()) + len(sched.decodes) + sum(lengths)
-        self.controller.observe_step(draft_s if drafted else 0.0, max(drafted, default=0), sum(drafted), target_s,
-                                     tokens, distinct, catchup)
 
     def _verify_and_emit(self, sched: SchedulerOutput, drafts) -> None:
         """One target forward over prefill chunks and decodes, then verification and emission.

@@ -2,7 +2,8 @@
 
 :class:`engine.sampling_params.SamplingParams` validates itself with :func:`check_range` /
 :func:`check_stop`, :meth:`engine.engine.LLMEngine.add_request` checks prompts with
-:func:`check_prompt`, and ``actors/openai_protocol.py`` / ``actors/ingress.py`` call the same
+:func:`check_prompt` (and draft lengths and stop token ids with :func:`check_draft_length` and
+:func:`check_stop_ids`), and ``actors/openai_protocol.py`` / ``actors/ingress.py`` call the same
 functions before building ``SamplingParams``, turning :class:`RequestError` into HTTP 400 in
 OpenAI's error shape (``param`` names the field, ``code`` is e.g. ``context_length_exceeded``).
 """
@@ -174,3 +175,26 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, vocab_
         default = ", the default when the request sets none" if max_tokens_is_default else ""
         raise RequestError(f"prompt ({num} tokens) + max_tokens ({max_tokens}{default}) exceeds the context window "
                            f"of {max_model_len} tokens", "max_tokens", "context_length_exceeded")
+
+
+def check_draft_length(k: int | None, engine_k: int) -> None:
+    """A request's draft length (None: the engine's) against the engine's ``num_speculative_tokens``.
+
+    Raises:
+        RequestError: ``param`` "num_speculative_tokens": above the engine's.
+    """
+    if k is not None and k > engine_k:
+        raise RequestError(f"'num_speculative_tokens' must be at most {engine_k} (the "
+                           f"engine's num_speculative_tokens), got {k}", param="num_speculative_tokens")
+
+
+def check_stop_ids(stop_token_ids: Sequence[int] | None, vocab_size: int) -> None:
+    """A request's stop token ids against the vocabulary.
+
+    Raises:
+        RequestError: ``param`` "stop_token_ids": an id at or above ``vocab_size``.
+    """
+    bad = [t for t in stop_token_ids or () if t >= vocab_size]
+    if bad:  # the first few only: a long list must not come back whole in the error
+        raise RequestError(f"'stop_token_ids' must be below the vocabulary size {vocab_size}, got "
+                           f"{bad[:5]}{' ...' if len(bad) > 5 else ''}", param="stop_token_ids")

@@ -58,6 +58,7 @@ import numpy as np
 from engine.spec_acceptance import AcceptanceEstimates, expected_tokens
 from engine.spec_candidates import draft_candidates
 from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedCheck
+from engine.spec_scoring import amortised_catchup, ready_probability, within_tpot
 from engine.spec_settings import ControllerSettings
 
 SpeculativePolicy = Literal["adaptive", "fixed"]
@@ -233,19 +234,6 @@ class SpeculationController:
         stagger = t % 2
         return {sid: min(c, cycle[(t // 2 + stagger * i) % len(cycle)]) for i, (sid, c) in enumerate(caps.items())}
 
-    def _amortised(self, cum: np.ndarray, caps: np.ndarray, ids: list[str], catchup: dict[str, int],
-                   remaining: dict[str, int]) -> np.ndarray:
-        """``(B,)`` catch-up tokens charged to this step: one step's worth in full, the backlog
-        spread over the steps it will pay off in. ``cum``: ``(B, max_k)`` cumulative acceptance
-        products; ``caps``: ``(B,)`` draft caps."""
-        c = np.array([catchup.get(sid, 0) for sid in ids], dtype=np.float64)
-        if not c.any():
-            return c
-        per_step = 1.0 + (cum * (self._positions < np.maximum(caps, 1)[:, None])).sum(1)
-        left = np.array([remaining.get(sid, -1) for sid in ids], dtype=np.float64)
-        share = np.where(left < 0, 1.0, np.minimum(1.0, per_step / np.maximum(left, 1)))
-        return np.minimum(c, per_step) + np.maximum(0.0, c - per_step) * share
-
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
                   catchup: dict[str, int], remaining: dict[str, int],
                   tpot: dict[str, tuple[float, float]], verdict: tuple[bool | None, bool] | None) -> Decision:
@@ -255,11 +243,11 @@ class SpeculationController:
         acceptance = self.estimates.of_sequences(ids, self.estimates.server_wide())  # (B, max_k)
         cum = np.cumprod(acceptance, axis=1)
         cap = np.array([caps[sid] for sid in ids])
-        charged = self._amortised(cum, cap, ids, catchup, remaining)  # (B,) catch-up tokens
+        charged = amortised_catchup(cum, cap, ids, catchup, remaining, self._positions)  # (B,) catch-up tokens
         gains = np.where(self._positions < cap[:, None], cum, 0.0)  # (B, max_k), zero beyond each cap
         ready = None
         if self._ready:  # windows drafted ahead (pipelined): drafting them costs little
-            ready = self._ready_probability(ids, acceptance)
+            ready = ready_probability(self._ready, ids, acceptance, self.max_k)
             # Drafting past a ready window would redraft it all: a likely-ready one caps the sequence.
             gains[(ready[:, :1] >= 0.5) & (ready == 0)] = 0.0
         cand = draft_candidates(gains, ready, charged)
@@ -276,7 +264,7 @@ class SpeculationController:
         chunk_s = self._chunk_s(num_base_tokens, len(ids)) * calibration
         rate = (expected - num_prefills) / np.maximum(step_s - chunk_s, 1e-6)
         if tpot:
-            rate = np.where(self._within_tpot(ids, gains, cand.lengths, step_s, tpot), rate, -np.inf)
+            rate = np.where(within_tpot(ids, gains, cand.lengths, step_s, tpot), rate, -np.inf)
         best = int(np.argmax(rate))
         best_on = int(np.argmax(rate[1:])) + 1 if cand.gain[1:].any() else 0
         h = self.settings.hysteresis
@@ -305,19 +293,6 @@ class SpeculationController:
         both = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
         return max(0.0, float(both[0] - both[1]))
 
-    def _within_tpot(self, ids: list[str], gains: np.ndarray, lengths: np.ndarray, step_s: np.ndarray,
-                     tpot: dict[str, tuple[float, float]]) -> np.ndarray:
-        """Which candidates (``lengths``: ``(C, B)`` draft lengths) keep the budgeted sequences
-        within their TPOT budgets, or, when none does, miss them least: bool ``(C,)``."""
-        rows = [i for i, sid in enumerate(ids) if sid in tpot]
-        if not rows:
-            return np.ones(len(step_s), dtype=bool)
-        budget_s, slack_s = (np.array([tpot[ids[i]][j] for i in rows]) for j in (0, 1))
-        cum = np.concatenate((np.zeros((len(rows), 1)), np.cumsum(gains[rows], axis=1)), axis=1)  # (R, max_k + 1)
-        tokens = 1.0 + np.take_along_axis(cum.T, lengths[:, rows], axis=0)  # (C, R) E[emitted] per candidate
-        miss_s = (step_s[:, None] - budget_s * tokens - slack_s).max(1)
-        return miss_s <= max(0.0, float(miss_s.min()))
-
     def predict_step_s(self, num_target_tokens: int, passes: int = 0, num_drafted: int = 0,
                        refresh: bool = True) -> float:
         """Predicted seconds of a step with this many target tokens and draft work (0 before
@@ -339,18 +314,6 @@ class SpeculationController:
         one sequence's (shrunk toward the server-wide estimate)."""
         glob = self.estimates.server_wide()
         return glob if seq_id is None else self.estimates.of_sequence(seq_id, glob)
-
-    def _ready_probability(self, ids: list[str], acceptance: np.ndarray) -> np.ndarray:
-        """``(B, max_k)``: the chance that a sequence's draft position is already drafted ahead
-        (pipelined drafting): its first ``L`` positions if it accepted all ``L`` tokens of its last
-        window, with the probability that the drafter's bonus guess matched (its acceptance at
-        position ``L + 1``; ``acceptance``: ``(B, max_k)``)."""
-        ready = np.zeros((len(ids), self.max_k))
-        for row, sid in enumerate(ids):
-            length = self._ready.get(sid, 0)
-            if length:
-                ready[row, :length] = acceptance[row, min(length, self.max_k - 1)]
-        return ready
 
     def note_drafted_ahead(self, seq_id: str, length: int) -> None:
         """``seq_id`` accepted every token of a window whose successor was being drafted ahead:

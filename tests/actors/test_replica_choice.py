@@ -1,6 +1,6 @@
 """Latency-aware replica choice, row splitting and probes, on both transports, without a Ray cluster:
 in-process ExpertWorkers behind fake handles (tests/helpers/fake_ray.py) and, for the compiled-graph
-path, a fake graph that runs every member's ``forward_graph`` in-process.
+path, a fake graph that runs every member's ``forward_graph`` in-process (tests/helpers/fake_graph.py).
 
 Covered: a fixed straggler is avoided after its first slow call (no hedge needed), probed at the
 interval without anyone waiting, and used again once it recovers; rows split over the fast
@@ -13,17 +13,16 @@ host; output identical to in-process experts throughout.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from actors.compiled_graph import GraphStats
 from actors.config import ReplicationConfig
 from actors.expert_router import ExpertRouter
 from engine.checkpoint import CheckpointReader
 from engine.config import load_model_config
 from engine.model import ExpertStore
+from tests.helpers.fake_graph import FakeGraph
 from tests.helpers.fake_ray import FakePool, install_fake_ray
 
 TARGET = "checkpoints/stdlib-moe-target"
@@ -54,81 +53,6 @@ def _expected(rows, weights, counts) -> torch.Tensor:
 
 def _forwards(replica) -> int:
     return sum(1 for name, _ in replica.handle.calls if name in ("forward", "forward_graph"))
-
-
-class FakeGraph:
-    """The :class:`actors.compiled_graph.ActorGraph` surface the router uses: built at once on
-    request; an execution runs every member's ``forward_graph`` in-process (a delayed member's
-    worker sleeps its delay, as the real actor would)."""
-
-    building = parked = False
-    park_when_built = False
-
-    def __init__(self, members) -> None:
-        self._members_fn, self.members, self.rebuilds, self.executions = members, [], 0, 0
-        self.stats = GraphStats()
-
-    def bound(self) -> list:
-        return list(self.members)
-
-    def retire(self) -> None:
-        self.members = []
-
-    @property
-    def live(self) -> bool:
-        return bool(self.members)
-
-    def request_build(self) -> None:
-        if not self.members:
-            self.members = self._members_fn()[0]
-            self.stats.builds += 1
-
-    def rebuild(self) -> None:
-        self.members, self.rebuilds = [], self.rebuilds + 1
-
-    def fits(self, payload_bytes: int) -> bool:
-        return True  # these layers are small
-
-    inflight = 0  # executions run at wait: none is ever out between two layers
-
-    def wake(self) -> None:
-        pass  # never parked
-
-    def build_now(self) -> None:
-        self.request_build()
-
-    def submit(self, request):
-        # run at wait: the members' order is what the test checks
-        return SimpleNamespace(build=self.stats.builds, request=request, late=False)
-
-    fail_next = False  # the next execution fails (a member died): the graph is dropped
-
-    def wait(self, submitted, hedge_after_s=None):
-        if not self.members or submitted.build != self.stats.builds:
-            return None  # the graph it went to was dropped, as the real one
-        if self.fail_next:
-            self.members, self.fail_next = [], False
-            self.stats.failures += 1
-            return None
-        start = time.monotonic()
-        out = self.execute(submitted.request)
-        if hedge_after_s is not None and time.monotonic() - start > hedge_after_s:
-            self.members, submitted.late = [], True  # dropped at the deadline, as the real one
-            self.stats.late += 1
-            return None
-        return out
-
-    def execute(self, request):
-        self.executions += 1
-        out = []
-        for i, m in enumerate(self.members):
-            m.handle.calls.append(("forward_graph", ()))
-            m.handle.target.delay_s = m.handle.delay_s
-            out.append(m.handle.target.forward_graph(request, i))
-        return out
-
-    def close(self) -> None:
-        pass
 
 
 def _router(**config) -> ExpertRouter:
