@@ -20,6 +20,8 @@ from engine.spec_cost import ActivationMeter, ExpertActivation
 
 def build_controller(target: LoadedModel, drafter: Drafter, policy: SpeculativePolicy,
                      scheduler_config: SchedulerConfig) -> SpeculationController:
+    """The engine's speculation controller: drafting up to ``MAX_SPECULATIVE_TOKENS`` with a
+    drafter (0 without), its target's experts metered where steps feed the cost model."""
     moe = target.config.moe
     activation = None
     max_k = MAX_SPECULATIVE_TOKENS if not isinstance(drafter, NoneDrafter) else 0

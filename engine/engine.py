@@ -26,7 +26,13 @@ from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
-from engine.request_ranges import check_draft_length, check_prompt, check_stop_ids, check_without_tokenizer
+from engine.request_ranges import (
+    check_draft_length,
+    check_n,
+    check_prompt,
+    check_stop_ids,
+    check_without_tokenizer,
+)
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
@@ -128,12 +134,8 @@ class LLMEngine:
         check_stop_ids(params.stop_token_ids, vocab_size)
         if self.target.tokenizer is None:
             check_without_tokenizer(False, params.stop)
-        sched = self.scheduler.config
-        if params.n > sched.max_num_seqs + sched.max_waiting:  # never accepted: a 400, not "retry later"
-            raise RequestError(f"'n' must be at most {sched.max_num_seqs + sched.max_waiting} (this server's "
-                               f"{sched.max_num_seqs} running + {sched.max_waiting} waiting sequences), got "
-                               f"{params.n}", param="n")
-        if not self.scheduler.can_accept(params.n):
+        check_n(params.n, self.scheduler.config.max_num_seqs, self.scheduler.config.max_waiting)
+        if not self.scheduler.can_accept(params.n):  # QueueFull: a 503 to retry, where check_n's is a 400
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")
         decodes = [s for s in self.scheduler.running if not s.num_prompt_tokens_left]

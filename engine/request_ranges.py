@@ -198,3 +198,14 @@ def check_stop_ids(stop_token_ids: Sequence[int] | None, vocab_size: int) -> Non
     if bad:  # the first few only: a long list must not come back whole in the error
         raise RequestError(f"'stop_token_ids' must be below the vocabulary size {vocab_size}, got "
                            f"{bad[:5]}{' ...' if len(bad) > 5 else ''}", param="stop_token_ids")
+
+
+def check_n(n: int, max_num_seqs: int, max_waiting: int) -> None:
+    """A request's ``n`` against what the scheduler can ever hold: beyond it no retry helps.
+
+    Raises:
+        RequestError: ``param`` "n": more sequences than ``max_num_seqs + max_waiting``.
+    """
+    if n > max_num_seqs + max_waiting:
+        raise RequestError(f"'n' must be at most {max_num_seqs + max_waiting} (this server's {max_num_seqs} "
+                           f"running + {max_waiting} waiting sequences), got {n}", param="n")
