@@ -251,7 +251,6 @@ def test_a_second_sigterm_does_not_cut_the_shutdown_short(monkeypatch, capsys):
     which can get it twice; the second arrives during stop() and must not abort the drain (a new
     user found streams cut without their 503 chunk and Serve's shutdown skipped)."""
     import signal
-    import threading
 
     stopped = []
 
@@ -260,23 +259,31 @@ def test_a_second_sigterm_does_not_cut_the_shutdown_short(monkeypatch, capsys):
         time.sleep(0.05)  # the handler runs here
         stopped.append(True)
 
+    _serve_until(signal.SIGTERM, fake_stop, monkeypatch)
+    assert stopped == [True]
+    assert "already shutting down" in capsys.readouterr().err
+
+
+def _serve_until(sig: int, fake_stop, monkeypatch) -> None:
+    """``serve_app.main`` with start and stop faked, ``sig`` sent to this process 0.2 s in; it must
+    return 0. The signal handlers it installs are put back."""
+    import signal
+    import threading
+
     monkeypatch.setattr(serve_app, "start", lambda *a, **k: "http://127.0.0.1:1")
     monkeypatch.setattr(serve_app, "stop", fake_stop)
     saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    threading.Timer(0.2, os.kill, (os.getpid(), sig)).start()
     try:
         assert serve_app.main([]) == 0
     finally:
         signal.signal(signal.SIGINT, saved[0])
         signal.signal(signal.SIGTERM, saved[1])
-    assert stopped == [True]
-    assert "already shutting down" in capsys.readouterr().err
 
 
 def test_a_ctrl_c_during_the_shutdown_kills_ray_without_a_traceback(monkeypatch, capsys):
     """A new user's second Ctrl-C while the server drained ended in a traceback."""
     import signal
-    import threading
 
     import actors.cluster
 
@@ -285,16 +292,8 @@ def test_a_ctrl_c_during_the_shutdown_kills_ray_without_a_traceback(monkeypatch,
         time.sleep(1)  # the handler runs here
 
     killed = []
-    monkeypatch.setattr(serve_app, "start", lambda *a, **k: "http://127.0.0.1:1")
-    monkeypatch.setattr(serve_app, "stop", fake_stop)
     monkeypatch.setattr(actors.cluster, "kill_leftover_ray_processes", lambda: killed.append(True))
-    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-    try:
-        assert serve_app.main([]) == 0
-    finally:
-        signal.signal(signal.SIGINT, saved[0])
-        signal.signal(signal.SIGTERM, saved[1])
+    _serve_until(signal.SIGINT, fake_stop, monkeypatch)
     assert killed == [True]
     out = capsys.readouterr()
     assert "interrupted while stopping; killing Ray's processes" in out.err and "stopped in" in out.out
