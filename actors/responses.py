@@ -84,7 +84,7 @@ class ResponseBuilder:
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.want_logprobs = want_logprobs
         self.usage: dict | None = None
-        self._role_sent = [False] * n  # chat streams announce the role in each choice's first chunk only
+        self._role_sent = [False] * n  # chat streams announce the role in a chunk of its own, first
 
     def _lp(self, items: list[dict], text_before: int = 0) -> dict | None:
         if not self.want_logprobs:
@@ -106,6 +106,8 @@ class ResponseBuilder:
             if finishes:
                 self.finish[i], self.stop[i] = c["finish_reason"], c["stop_reason"]
             if c["new_text"] or c["new_token_ids"] or finishes:
+                if self.kind == "chat" and not self._role_sent[i]:
+                    chunks.append(self._role_chunk(i))
                 chunks.append(self._chunk(i, c))
         if item.get("usage"):
             self.usage = {**item["usage"],
@@ -118,14 +120,23 @@ class ResponseBuilder:
             choice = {"index": i, "text": c["new_text"], "logprobs": lp}
             obj = "text_completion"
         else:
-            delta = {"content": c["new_text"]} if self._role_sent[i] else {"role": "assistant", "content": c["new_text"]}
-            self._role_sent[i] = True
-            choice = {"index": i, "delta": delta, "logprobs": lp}
+            choice = {"index": i, "delta": {"content": c["new_text"]}, "logprobs": lp}
             obj = "chat.completion.chunk"
         choice.update(finish_reason=c["finish_reason"], stop_reason=c["stop_reason"])  # set only at the finish
         if self.tokenizer is None:
             choice["token_ids"] = list(c["new_token_ids"])
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def _role_chunk(self, i: int) -> dict:
+        """A chat choice's first chunk: the role with empty content, as OpenAI and vLLM send it
+        (clients that read the role from the first chunk only then see no text there)."""
+        self._role_sent[i] = True
+        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None, "stop_reason": None}
+        if self.tokenizer is None:
+            choice["token_ids"] = []
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [choice]}
 
     def usage_chunk(self) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"

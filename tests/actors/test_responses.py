@@ -21,6 +21,23 @@ def _item(ids: list[int], finished: bool = False) -> dict:
     return {"type": "step", "finished": finished, "choices": [_choice(ids, finished)]}
 
 
+def _without_role_chunks(chunks: list[dict]) -> list[dict]:
+    return [c for c in chunks if "role" not in c["choices"][0].get("delta", {})]
+
+
+def test_a_chat_choice_announces_its_role_in_a_first_chunk_of_its_own():
+    """As OpenAI and vLLM stream it: ``{"role": "assistant", "content": ""}`` first, then content
+    deltas without the role (a new user found the role and the first text in one chunk)."""
+    builder = ResponseBuilder("chat", "m", "chatcmpl-1", 2, _Tokenizer(), want_logprobs=False)
+    chunks = builder.add({"type": "step", "finished": False, "choices": [_choice([0], index=0), _choice([1], index=1)]})
+    chunks += builder.add({"type": "step", "finished": True, "choices": [_choice([2], True, 0), _choice([3], True, 1)]})
+    deltas = [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in chunks]
+    assert deltas == [(0, {"role": "assistant", "content": ""}, None), (0, {"content": "a"}, None),
+                      (1, {"role": "assistant", "content": ""}, None), (1, {"content": "b"}, None),
+                      (0, {"content": "c"}, "length"), (1, {"content": "d"}, "length")]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-1" for c in chunks)
+
+
 def test_text_offsets_are_running_character_offsets_in_streams_and_final_bodies():
     builder = ResponseBuilder("completion", "m", "cmpl-1", 1, _Tokenizer(), want_logprobs=True)
     chunks = builder.add(_item([0, 26])) + builder.add(_item([1, 2], finished=True))
@@ -40,7 +57,7 @@ def test_a_finished_choice_of_an_n_stream_gets_one_finish_chunk_while_the_others
                  [_choice([], True, 0), _choice([2], False, 1)],
                  [_choice([], True, 0), _choice([3], True, 1)]]
         chunks = [c for i, choices in enumerate(steps)
-                  for c in builder.add({"type": "step", "finished": i == 2, "choices": choices})]
+                  for c in _without_role_chunks(builder.add({"type": "step", "finished": i == 2, "choices": choices}))]
         seen = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks]
         assert seen == [(0, "length"), (1, None), (1, None), (1, "length")], kind
         assert [c["finish_reason"] for c in builder.final()["choices"]] == ["length", "length"]
@@ -54,9 +71,9 @@ def test_stop_reason_is_reported_as_vllm_does_streamed_and_final():
         running, stopped, eos = _choice([0], False, 0), _choice([1], True, 1), _choice([2], True, 0)
         stopped.update(finish_reason="stop", stop_reason="\n\n")
         eos.update(finish_reason="stop", stop_reason=None)
-        chunks = builder.add({"type": "step", "finished": False, "choices": [running, stopped]})
+        chunks = _without_role_chunks(builder.add({"type": "step", "finished": False, "choices": [running, stopped]}))
         again = {**stopped, "new_token_ids": [], "new_text": "", "new_logprobs": []}  # finished: repeated, no tokens
-        chunks += builder.add({"type": "step", "finished": True, "choices": [eos, again]})
+        chunks += _without_role_chunks(builder.add({"type": "step", "finished": True, "choices": [eos, again]}))
         seen = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"])
                 for c in chunks]
         assert seen == [(0, None, None), (1, "stop", "\n\n"), (0, "stop", None)], kind
