@@ -125,7 +125,7 @@ class ResponseBuilder:
         choice.update(finish_reason=c["finish_reason"], stop_reason=c["stop_reason"])  # set only at the finish
         if self.tokenizer is None:
             choice["token_ids"] = list(c["new_token_ids"])
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        return self._envelope(obj, [choice])
 
     def _role_chunk(self, i: int) -> dict:
         """A chat choice's first chunk: the role with empty content, as OpenAI and vLLM send it
@@ -135,13 +135,15 @@ class ResponseBuilder:
                   "finish_reason": None, "stop_reason": None}
         if self.tokenizer is None:
             choice["token_ids"] = []
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [choice]}
+        return self._envelope("chat.completion.chunk", [choice])
 
     def usage_chunk(self) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
-                "usage": self.usage}
+        return {**self._envelope(obj, []), "usage": self.usage}
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        """The fields of a chunk or a final body around its choices."""
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def final(self) -> dict:
         choices = []
@@ -154,5 +156,4 @@ class ResponseBuilder:
             choices[-1].update(finish_reason=self.finish[i], stop_reason=self.stop[i])
             if self.tokenizer is None:
                 choices[-1]["token_ids"] = self.token_ids[i]
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage}
+        return {**self._envelope(self.object, choices), "usage": self.usage}
