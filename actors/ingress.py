@@ -230,7 +230,7 @@ class IngressServer:
     def _prepare(self, body: bytes, kind: str):
         schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
         req = decode_request(body, schema)
-        if req.model != self.model_name:
+        if req.model is not None and req.model != self.model_name:
             raise self._unknown_model(req.model)
         if self.tokenizer is None:
             with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):

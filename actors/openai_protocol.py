@@ -33,6 +33,10 @@ UNSUPPORTED: dict[str, tuple] = {
     "structured_outputs": (), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "logits_processors": ([],), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
 }
+# Definitions that a choice of "none" makes inert (OpenAI: the model calls no tool), accepted and
+# not shown to the model then, as vLLM does with --exclude-tools-when-tool-choice-none: a client
+# that always sends its tool list and turns tools off per request keeps working.
+INERT_WHEN: dict[str, tuple[str, str]] = {"tools": ("tool_choice", "none"), "functions": ("function_call", "none")}
 # The same for vLLM's chat-only request fields (a template or turn handling of the request's own).
 UNSUPPORTED_CHAT: dict[str, tuple] = {
     "chat_template": (), "chat_template_kwargs": ({},), "add_generation_prompt": (True,),
@@ -67,7 +71,7 @@ class StreamOptions(msgspec.Struct):
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
-    model: str
+    model: str | None = None  # None: the served model (vLLM makes it optional too)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -126,6 +130,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     def check_unsupported(self) -> None:
         for name, no_op in self.unsupported.items():
             value = getattr(self, name)
+            if name in INERT_WHEN and getattr(self, INERT_WHEN[name][0]) == INERT_WHEN[name][1]:
+                continue
             if value is not None and value not in no_op:  # (the field types keep bools from equalling 0)
                 only = f" (only {', '.join(msgspec.json.encode(v).decode() for v in no_op)})" if no_op else ""
                 raise ProtocolError(f"'{name}' is not supported by this server{only}", name)

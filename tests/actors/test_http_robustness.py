@@ -15,7 +15,7 @@ OK_PROMPT = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 4}
 OK_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 BAD_INPUTS = [
-    (C, b"{not json", 400), (C, b"[1, 2]", 400), (C, {"prompt": "x"}, 400), (C, {"model": MODEL_NAME}, 400),
+    (C, b"{not json", 400), (C, b"[1, 2]", 400), (C, {"model": 5, "prompt": "x"}, 400), (C, {"model": MODEL_NAME}, 400),
     (C, {**OK_PROMPT, "prompt": 3}, 400), (C, {**OK_PROMPT, "prompt": ""}, 400), (C, {**OK_PROMPT, "prompt": []}, 400),
     (C, {**OK_PROMPT, "prompt": [99999]}, 400), (C, {**OK_PROMPT, "prompt": [5, -1]}, 400),
     (C, {**OK_PROMPT, "prompt": "x " * 3000}, 400), (C, {**OK_PROMPT, "max_tokens": 0}, 400),
@@ -75,6 +75,11 @@ def test_bad_inputs_get_openai_errors_while_a_stream_runs_intact(served, referen
     text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in [first] + rest[:-1] if json.loads(x[6:])["choices"])
     assert text == expected.outputs[0].text
     assert _post(url, C, {**OK_PROMPT, "unknown_field": 1}).status_code == 200  # unknown fields are ignored
+    # vLLM's conveniences: no model means the served one; tools that tool_choice "none" turns off
+    no_model = _post(url, C, {k: v for k, v in OK_PROMPT.items() if k != "model"})
+    assert no_model.status_code == 200 and no_model.json()["model"] == MODEL_NAME
+    tools_off = _post(url, CHAT, {**OK_CHAT, "tool_choice": "none", "tools": [{"type": "function"}]})
+    assert tools_off.status_code == 200 and tools_off.json()["choices"][0]["message"]["role"] == "assistant"
     big_seed = _post(url, C, {**OK_PROMPT, "seed": 2**63 - 1, "n": 2, "temperature": 1.0})
     assert big_seed.status_code == 200 and len(big_seed.json()["choices"]) == 2  # per-sequence seeds wrap
     wrong_method = httpx.get(url + C)

@@ -154,6 +154,20 @@ def test_an_unsupported_parameter_is_refused_by_name_unless_it_asks_for_nothing(
     assert (err.value.param, err.value.status) == (field, 400)
 
 
+@pytest.mark.parametrize(("tools", "choice"), [("tools", "tool_choice"), ("functions", "function_call")])
+def test_tool_definitions_are_accepted_only_where_the_choice_turns_them_off(tools, choice):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], tools: [{"type": "function"}]}
+    req = decode_request(msgspec.json.encode({**body, choice: "none"}), ChatCompletionRequest)
+    assert getattr(req, choice) == "none"
+    for refused in ({}, {choice: "auto"}):  # OpenAI's default with tools is "auto": tools would be called
+        with pytest.raises(ProtocolError, match=f"'{tools}' is not supported") as err:
+            decode_request(msgspec.json.encode({**body, **refused}), ChatCompletionRequest)
+        assert err.value.param == tools
+
+
+def test_the_model_field_may_be_left_out():
+    assert decode_request(b'{"prompt": "x"}', CompletionRequest).model is None
+
 
 @pytest.mark.parametrize(("field", "no_op", "refused"), [
     ("chat_template", None, "{{ messages }}"), ("chat_template_kwargs", {}, {"enable_thinking": True}),
@@ -178,7 +192,7 @@ def test_continuous_usage_stats_is_refused():
     assert err.value.param == "stream_options"
 
 @pytest.mark.parametrize(("body", "schema", "param"), [
-    ({"prompt": "x"}, CompletionRequest, "model"), ({"model": "m"}, CompletionRequest, "prompt"),
+    ({"model": 5, "prompt": "x"}, CompletionRequest, "model"), ({"model": "m"}, CompletionRequest, "prompt"),
     ({"model": "m"}, ChatCompletionRequest, "messages"),
     ({"model": "m", "messages": [{"content": "hi"}]}, ChatCompletionRequest, "messages"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}}, CompletionRequest, "stream_options"),
