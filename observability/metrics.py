@@ -100,6 +100,8 @@ class EngineMetrics:
                                   "Draft windows drafted ahead during verification (pipelined drafting), by "
                                   "outcome: used by the next step, or discarded (not fully accepted).",
                                   m + ["outcome"], registry=r)
+        for outcome in ("used", "discarded"):  # exported at 0 before any window: dashboards see it exists
+            self._pipelined.labels(model_name, outcome)
         self._slo = Counter(P + "slo_requests_total",
                             "Finished requests per SLO class; met=true if every budget of the class was met.",
                             m + ["slo_class", "met"], registry=r)

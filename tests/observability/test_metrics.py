@@ -128,6 +128,9 @@ def test_chosen_draft_lengths_and_off_steps_come_from_engine_totals():
 def test_pipelined_window_counters_follow_engine_totals():
     em = EngineMetrics("tiny-moe")
     r = em.registry
+    # exported at 0 before pipelined drafting ever ran (off by default), as Prometheus advises
+    assert value(r, "specmoe:spec_decode_pipelined_windows_total", outcome="used") == 0
+    assert value(r, "specmoe:spec_decode_pipelined_windows_total", outcome="discarded") == 0
     em.sync_from_engine({"pipelined_windows": {"used": 3, "discarded": 1}})
     em.sync_from_engine({"pipelined_windows": {"used": 3, "discarded": 1}})
     em.sync_from_engine({"pipelined_windows": {"used": 7, "discarded": 4}})
