@@ -126,20 +126,6 @@ def ray_env(config: ServeConfig) -> dict:
     return env
 
 
-def check_device(device: str) -> None:
-    """The embedded start runs every replica here: a CUDA device must exist on this machine (on a
-    cluster it is the worker nodes' business, so this is not checked there).
-
-    Raises:
-        StartupError: ``engine.device`` is CUDA and torch sees no CUDA device.
-    """
-    import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise StartupError(f"engine.device: {device!r}, but torch sees no CUDA device on this machine (torch "
-                           f"{torch.__version__}); use device: cpu")
-
-
 def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 300.0,
           address: str | None = None, sigterm: Callable | None = None) -> str:
     """Join the Ray cluster at ``address`` (else ``RAY_ADDRESS``) or start a loopback-only local Ray,
@@ -147,22 +133,24 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     to (re)install once Ray is up (``ray.init`` replaces the process's handler with its own).
 
     Raises:
-        StartupError: missing checkpoint, port in use, a CUDA device missing here, Ray not starting
-            (or its cluster unreachable), or the app not becoming healthy in time.
+        StartupError: missing checkpoint, port in use, Ray not starting (or its cluster
+            unreachable), or the app not becoming healthy in time.
         ConfigError, CheckpointError: checkpoints that do not fit the config or each other
-            (``EngineArgs.check_checkpoints``).
+            (``EngineArgs.check_checkpoints``), a CUDA device missing here.
     """
     from ray import serve
 
     from actors.cluster import cluster_address, create_drain_signal, init_ray
     from actors.deployments import build_app as bind_app
+    from engine.loader import check_device_present
 
     address = cluster_address(address)
     resolve_paths(config, base or Path.cwd())
-    check_expert_budget(config, config.engine.check_checkpoints())
+    check_expert_budget(config, config.engine.check_checkpoints("engine."))
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
         check_port(config.http.host, config.http.port)
-        check_device(config.engine.device)
+        # Here too (not only in the replicas): the embedded start runs every replica on this machine.
+        check_device_present(config.engine.device, "engine.device")
     try:
         owns_ray = init_ray(config.experts.namespace, ray_env(config), address)
     except Exception as e:  # ray.init raises bare Exception / ConnectionError (node start timeout, bad address)
@@ -202,7 +190,7 @@ def build_app(args: dict):
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     try:
         resolve_paths(config, REPO_ROOT)
-        check_expert_budget(config, config.engine.check_checkpoints())
+        check_expert_budget(config, config.engine.check_checkpoints("engine."))
     except (StartupError, CheckpointError, ConfigError) as e:
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     return bind_app(config)

@@ -18,6 +18,14 @@ def _require(ok: bool, field: str, rule: str, value: object) -> None:
         raise ValueError(f"{field} must be {rule}, got {value!r}")
 
 
+def _check_actor_resources(num_cpus: float, num_gpus: float, resources: dict[str, float], prefix: str = "") -> None:
+    """Ray refuses negative amounts only when it places the actor, inside a replica's start."""
+    _require(num_cpus >= 0, f"{prefix}num_cpus", ">= 0", num_cpus)
+    _require(num_gpus >= 0, f"{prefix}num_gpus", ">= 0", num_gpus)
+    for name, v in resources.items():
+        _require(v > 0, f"{prefix}resources.{name}", "> 0", v)
+
+
 class ReplicationConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Online replication of hot expert groups (``experts.replication``; EPLB-like, DeepSeek-V3's
     redundant experts): a replica of a hot group is hosted by another expert actor with a free
@@ -191,10 +199,10 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         self._check_offload()
         _require(self.experts_per_actor >= 1, "experts.experts_per_actor", ">= 1", self.experts_per_actor)
         _require(self.replicas >= 1, "experts.replicas", ">= 1", self.replicas)
+        _check_actor_resources(0.0, self.num_gpus, self.resources, "experts.")
+        _require(self.torch_threads >= 1, "experts.torch_threads", ">= 1", self.torch_threads)
         for group, n in self.hot_expert_replicas.items():
             _require(n >= 1, f"experts.hot_expert_replicas.{group}", ">= 1", n)
-        for name, v in self.resources.items():
-            _require(v > 0, f"experts.resources.{name}", "> 0", v)
         _require(self.call_timeout_s > 0, "experts.call_timeout_s", "> 0", self.call_timeout_s)
         _require(self.max_attempts >= 1, "experts.max_attempts", ">= 1", self.max_attempts)
         _require(self.graph_idle_park_s > 0, "experts.graph_idle_park_s", "> 0", self.graph_idle_park_s)
@@ -241,6 +249,18 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
                 "simulated_link_gbps": self.simulated_link_gbps}
 
 
+class DraftActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Resources of each verifier replica's draft actor (``draft`` in the serve config). There is
+    no replica count: the draft actor is part of its verifier's serving unit, one per verifier
+    replica, so ``verifier.num_replicas`` scales both."""
+
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_actor_resources(self.num_cpus, self.num_gpus, {})
+
+
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Ray Serve options of one deployment (a Serve config file's ``deployments[]`` override them).
 
@@ -264,6 +284,7 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
     def __post_init__(self) -> None:
         _require(self.num_replicas >= 1, "num_replicas", ">= 1", self.num_replicas)
+        _check_actor_resources(self.num_cpus, self.num_gpus, self.resources)
         _require(self.max_ongoing_requests >= 1, "max_ongoing_requests", ">= 1", self.max_ongoing_requests)
         _require(self.graceful_shutdown_timeout_s >= 0, "graceful_shutdown_timeout_s", ">= 0",
                  self.graceful_shutdown_timeout_s)
@@ -280,7 +301,7 @@ class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froze
             ``HeadOnly`` (several Ray nodes on one machine would all bind the same port).
     """
 
-    host: str = "127.0.0.1"
+    host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
 
@@ -293,8 +314,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         engine: target/draft checkpoints, speculation and scheduler settings.
         experts: expert actor pool.
         verifier, ingress: deployment options.
-        draft: resources of each verifier replica's draft actor (``num_cpus``, ``num_gpus``; the
-            other fields do not apply: the draft actor is part of its verifier's serving unit).
+        draft: resources of each verifier replica's draft actor (:class:`DraftActorConfig`).
         http: where the HTTP proxy listens.
         request_timeout_s: a request still running this long after it arrived is cancelled (its KV
             slots freed): a 504 in OpenAI's error shape, or an error chunk and ``[DONE]`` when its
@@ -329,11 +349,11 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         tracing: OpenTelemetry settings (see :mod:`observability.tracing`); None = environment only.
     """
 
-    model_name: str
+    model_name: Annotated[str, msgspec.Meta(min_length=1)]
     engine: EngineArgs
     experts: ExpertPoolConfig = msgspec.field(default_factory=ExpertPoolConfig)
     verifier: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
-    draft: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
+    draft: DraftActorConfig = msgspec.field(default_factory=DraftActorConfig)
     ingress: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     request_timeout_s: float = 600.0
@@ -346,6 +366,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         _require(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)
+        _require(self.verifier_start_timeout_s > 0, "verifier_start_timeout_s", "> 0", self.verifier_start_timeout_s)
+        _require(self.engine_step_timeout_s > 0, "engine_step_timeout_s", "> 0", self.engine_step_timeout_s)
         interval_ms = self.stream_batching_interval_ms
         _require(interval_ms >= 0, "stream_batching_interval_ms", ">= 0", interval_ms)
         # .inf would hold a stream's tokens until it ends: that is stream=false, not batching.

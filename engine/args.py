@@ -92,23 +92,30 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError("ngram_min_n/ngram_max_n: need 1 <= ngram_min_n <= ngram_max_n")
 
-    def check_checkpoints(self) -> ModelConfig:
+    def check_checkpoints(self, section: str = "") -> ModelConfig:
         """The named checkpoints' configs (config.json files only, no weights) against this config:
         the target's and the draft's parse, they share a vocabulary, an EAGLE-3 head fits the
-        target. A start-up calls this so a mismatch is one error, not a failure in every replica
-        that loads the models. Returns the target's config (for the start-up's other checks).
+        target, ``max_model_len`` fits the target's window. A start-up calls this so a mismatch is
+        one error, not a failure in every replica that loads the models. Returns the target's
+        config (for the start-up's other checks). ``section``: the field path's prefix in
+        messages (``"engine."`` in a serve config).
 
         Raises:
             CheckpointError: a missing or unparsable config.json (the file named).
-            ConfigError: an unsupported or mismatched checkpoint (the file and field named).
+            ConfigError: an unsupported or mismatched checkpoint (the file and field named), or
+                ``max_model_len`` outside ``[2, max_position_embeddings]``.
         """
-        target = _model_config(self.model, "model")
+        from engine.config import context_window
+
+        target = _model_config(self.model, f"{section}model")
+        context_window(self.max_model_len, target.max_position_embeddings, f"{section}max_model_len")
         if self.speculative_method == "eagle3":
             from engine.model.eagle3 import load_eagle3_config
 
             load_eagle3_config(Path(self.draft_model), target)
         elif self.speculative_method == "draft":
-            _check_draft_vocab(_model_config(self.draft_model, "draft_model").vocab_size, target.vocab_size)
+            draft = _model_config(self.draft_model, f"{section}draft_model")
+            _check_draft_vocab(draft.vocab_size, target.vocab_size, f"{section}draft_model")
         return target
 
     def build_drafter(self, target: LoadedModel, max_model_len: int) -> Drafter:
@@ -136,9 +143,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return NoneDrafter()
 
 
-def _check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
+def _check_draft_vocab(draft_vocab_size: int, target_vocab_size: int, field: str = "draft_model") -> None:
     if draft_vocab_size != target_vocab_size:
-        raise ConfigError(f"draft_model: vocab size {draft_vocab_size} differs from the "
+        raise ConfigError(f"{field}: vocab size {draft_vocab_size} differs from the "
                           f"target's {target_vocab_size} (they must share a tokenizer)")
 
 

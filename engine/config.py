@@ -202,18 +202,18 @@ def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
     )
 
 
-def context_window(max_model_len: int | None, max_position_embeddings: int) -> int:
+def context_window(max_model_len: int | None, max_position_embeddings: int, field: str = "max_model_len") -> int:
     """The engine's context window in tokens: ``max_model_len``, or the model's
     ``max_position_embeddings`` when None.
 
     Raises:
         ConfigError: ``max_model_len`` outside ``[2, max_position_embeddings]`` (a larger window
             than the model was trained for, as vLLM refuses by default; and its KV cache would be
-            sized for it).
+            sized for it); the message starts with ``field``.
     """
     if max_model_len is None:
         return max_position_embeddings
     if not 2 <= max_model_len <= max_position_embeddings:
-        raise ConfigError(f"max_model_len: must be in [2, {max_position_embeddings}] (the model's "
+        raise ConfigError(f"{field}: must be in [2, {max_position_embeddings}] (the model's "
                           f"max_position_embeddings), got {max_model_len}")
     return max_model_len

@@ -91,6 +91,7 @@ class LLM:
         Raises:
             ValueError: bad prompt or parameters (see :meth:`LLMEngine.add_request`); the prompts of
                 this call queued before the bad one are withdrawn, so nothing of it runs later.
+                Likewise, a KeyboardInterrupt mid-run aborts this call's requests before it propagates.
         """
         if isinstance(prompts, str) or (prompts and is_token_ids(prompts)):
             prompts = [prompts]
@@ -108,18 +109,26 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params):
-                text = prompt if isinstance(prompt, str) else None
-                if text is None and not is_token_ids(prompt):
-                    raise RequestError(f"each prompt must be a string or a list of token ids (ints), got "
-                                       f"{prompt!r:.60}", "prompt")
-                if self.tokenizer is None:
-                    check_without_tokenizer(text is not None, p.stop)
-                ids = encode_text(self.tokenizer, prompt) if text is not None else list(prompt)
-                requests.append(self.engine.add_request(f"offline-{next(self._ids)}", ids, p, prompt=text))
-        except Exception:
+                requests.append(self._add(prompt, p))
+            self._run(requests, use_tqdm)
+        except BaseException:  # bad input, or Ctrl-C mid-run: nothing of this call stays queued or running
             for r in requests:
                 self.engine.abort_request(r.request_id)
             raise
+        return requests
+
+    def _add(self, prompt: object, params: SamplingParams) -> RequestOutput:
+        text = prompt if isinstance(prompt, str) else None
+        if text is None and not is_token_ids(prompt):
+            raise RequestError(f"each prompt must be a string or a list of token ids (ints), got "
+                               f"{prompt!r:.60}", "prompt")
+        if self.tokenizer is None:
+            check_without_tokenizer(text is not None, params.stop)
+        ids = encode_text(self.tokenizer, prompt) if text is not None else list(prompt)
+        return self.engine.add_request(f"offline-{next(self._ids)}", ids, params, prompt=text)
+
+    def _run(self, requests: list[RequestOutput], use_tqdm: bool) -> None:
+        """Step the engine until it has nothing left (other callers' requests included)."""
         with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
             done = 0
             while self.engine.has_unfinished_requests():
@@ -127,7 +136,6 @@ class LLM:
                 now = sum(r.finished for r in requests)
                 bar.update(now - done)
                 done = now
-        return requests
 
     def get_metrics(self) -> dict:
         """Engine totals (see :meth:`LLMEngine.get_metrics`)."""

@@ -38,6 +38,21 @@ def check_device_kind(device: str) -> None:
         raise ConfigError(f"device: {device!r} is not 'cpu', 'cuda' or 'cuda:N'")
 
 
+def check_device_present(device: str, field: str = "device") -> None:
+    """A CUDA ``device`` must exist where the model loads (checked before any weight is read).
+
+    Raises:
+        ConfigError: ``device`` is CUDA and torch sees no CUDA device, or ``cuda:N`` names a device
+            this machine lacks; the message starts with ``field``.
+    """
+    index = torch.device(device).index if device.startswith("cuda") else None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{field}: {device!r}, but torch sees no CUDA device on this machine (torch "
+                          f"{torch.__version__}); use device: cpu")
+    if index is not None and index >= torch.cuda.device_count():
+        raise ConfigError(f"{field}: {device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 @dataclass
 class LoadedModel:
     """A model with what serving it needs."""
@@ -116,12 +131,14 @@ def load_model(
         compile: the layers' dense parts under ``torch.compile`` (see :class:`engine.model.Transformer`).
 
     Raises:
-        CheckpointError / ConfigError: see :class:`CheckpointReader` and :func:`load_model_config`.
+        CheckpointError / ConfigError: see :class:`CheckpointReader` and :func:`load_model_config`;
+            ConfigError also for a CUDA ``device`` this machine lacks (:func:`check_device_present`).
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
     torch_dtype = resolve_dtype(dtype)
+    check_device_present(device)
     config = load_model_config(path)
     reader = CheckpointReader(path)
     if config.is_moe and experts is None:

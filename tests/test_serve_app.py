@@ -86,6 +86,11 @@ def test_bad_dtype_device_checkpoints_and_a_small_expert_byte_budget_fail_before
                                   "stdlib-draft/config.json: config.architectures: 'LlamaForCausalLM' is not an EAGLE-3 head"),
                                  (("draft_model: checkpoints/stdlib-draft", "draft_model: checkpoints/stdlib-eagle3"),
                                   "stdlib-eagle3: config.architectures: unsupported architecture 'LlamaForCausalLMEagle3'"),
+                                 # Was a failed ingress replica and tracebacks (the window is 1024).
+                                 (("device: cpu", "device: cpu\n  max_model_len: 5000"),
+                                  "engine.max_model_len: must be in [2, 1024] (the model's max_position_embeddings), "
+                                  "got 5000"),
+                                 (("device: cpu", "device: cpu\n  max_model_len: 1"), "engine.max_model_len: must be in"),
                                  # 8 experts of 3 x 256 x 128 float32 weights: 8 x 393216 bytes at least
                                  (("experts_per_actor: 8", "experts_per_actor: 8\n  max_resident_bytes: 1000"),
                                   "experts.max_resident_bytes must be >= 3145728 (one layer's 8 held and pinned "
@@ -137,6 +142,18 @@ def test_cluster_address_treats_local_as_start_here(monkeypatch, cli, env, expec
     ("experts:\n  hot_expert_replicas: {3: 0}\n", "experts.hot_expert_replicas.3 must be >= 1, got 0"),
     ("verifier:\n  max_ongoing_requests: -2\n", "max_ongoing_requests must be >= 1, got -2 - at `$.verifier`"),
     ("request_timeout_s: -1\n", "request_timeout_s must be > 0, got -1.0"),
+    # Ray refuses these only when it places an actor, inside a replica's start (tracebacks, exit 1).
+    ("verifier:\n  num_cpus: -1\n", "num_cpus must be >= 0, got -1.0 - at `$.verifier`"),
+    ("verifier:\n  num_gpus: -1\n", "num_gpus must be >= 0, got -1.0 - at `$.verifier`"),
+    ("ingress:\n  resources: {head: -1}\n", "resources.head must be > 0, got -1.0 - at `$.ingress`"),
+    ("draft:\n  num_cpus: -0.5\n", "num_cpus must be >= 0, got -0.5 - at `$.draft`"),
+    ("experts:\n  num_gpus: -1\n", "experts.num_gpus must be >= 0, got -1.0 - at `$.experts`"),
+    ("experts:\n  torch_threads: 0\n", "experts.torch_threads must be >= 1, got 0 - at `$.experts`"),
+    # The draft actor is one per verifier replica: a replica count of its own was silently ignored.
+    ("draft:\n  num_replicas: 2\n", "Object contains unknown field `num_replicas` - at `$.draft`"),
+    ("engine_step_timeout_s: -1\n", "engine_step_timeout_s must be > 0, got -1.0"),
+    ("verifier_start_timeout_s: 0\n", "verifier_start_timeout_s must be > 0, got 0.0"),
+    ("http:\n  host: ''\n", "Expected `str` of length >= 1 - at `$.http.host`"),
     # A class's name is in the message (msgspec's own path shows a dict key as [...]).
     ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      fast: {ttft_ms: 100}\n      slow: {ttft_ms: -5}\n",
      "slo_classes.slow.ttft_ms must be > 0, got -5.0 - at `$.engine.scheduler`"),
@@ -153,6 +170,13 @@ def test_invalid_config_names_the_field(tmp_path, capsys, section, culprit):
     cfg.write_text(f"model_name: m\n{engine}{section}")
     assert serve_app.main(["--config", str(cfg)]) == 2
     assert culprit in capsys.readouterr().err
+
+
+def test_an_empty_model_name_names_the_field(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name: ''\nengine:\n  model: x\n")
+    assert serve_app.main(["--config", str(cfg)]) == 2
+    assert "Expected `str` of length >= 1 - at `$.model_name`" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, method, k, policy", [

@@ -149,6 +149,43 @@ def test_engine_args_built_by_hand_refuse_wrong_types_and_values_naming_the_fiel
         EngineArgs(**{"model": "checkpoints/stdlib-moe-target", **kwargs})
 
 
+def test_a_keyboard_interrupt_mid_generate_aborts_that_calls_requests(monkeypatch):
+    """A Ctrl-C in a notebook used to leave the call's requests running: the next generate then
+    stepped them along with its own (and returned while their KV slots stayed taken)."""
+    from engine import LLM, SamplingParams
+    from tests.engine.bundled import TARGET
+
+    llm = LLM(TARGET)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    expected = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    step, calls = llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:  # after two real steps: the requests are prefilled and decoding
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.num_used == 0
+    assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == expected
+
+
+def test_a_cuda_device_this_machine_lacks_is_a_config_error_before_any_weight_loads(monkeypatch):
+    from engine import LLM
+    from tests.engine.bundled import TARGET
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^device: 'cuda', but torch sees no CUDA device"):
+        LLM(TARGET, device="cuda")  # was a bare AssertionError from torch's lazy CUDA init
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"^device: 'cuda:1', but this machine has 1 CUDA device"):
+        LLM(TARGET, device="cuda:1")
+
+
 def test_a_context_window_beyond_the_models_is_refused_before_the_kv_cache_is_allocated():
     from engine import LLM
     from tests.engine.bundled import TARGET
