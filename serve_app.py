@@ -12,6 +12,7 @@ cluster joined or a loopback-only local Ray started (``actors/cluster.py``), and
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -96,9 +97,18 @@ _OTHER_PORT = "another port: http.port in the config, --port, or `make serve POR
 
 
 def check_port(host: str, port: int) -> None:
-    if (e := _bind_error(host, port)) is not None:
+    """Raises StartupError with the advice that fits the bind error: another port when it is taken
+    or privileged, another host when the host is no address of this machine."""
+    if (e := _bind_error(host, port)) is None:
+        return
+    if e.errno == errno.EADDRINUSE:
         raise StartupError(f"http: cannot listen on {host}:{port} ({e.strerror}); is another server "
                            f"running? Pick {_OTHER_PORT}") from e
+    if e.errno == errno.EACCES:
+        raise StartupError(f"http: cannot listen on {host}:{port} ({e.strerror}): ports below 1024 need "
+                           f"privileges; pick {_OTHER_PORT}") from e
+    raise StartupError(f"http.host: cannot listen on {host!r} ({e.strerror}): not an address of this "
+                       f"machine; use 127.0.0.1, 0.0.0.0 or one of its addresses (--host)") from e
 
 
 def proxy_start_error(host: str, port: int, error: Exception) -> StartupError:

@@ -128,6 +128,7 @@ class LLMEngine:
         """Raise what :meth:`add_request` raises, before it adds anything."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        params.validate()
         check_draft_length(params.num_speculative_tokens, self.num_speculative_tokens)
         vocab_size = self.target.config.vocab_size
         check_prompt(prompt_token_ids, params.max_tokens, vocab_size, self.max_model_len)

@@ -93,11 +93,11 @@ class LLM:
                 this call queued before the bad one are withdrawn, so nothing of it runs later.
                 Likewise, a KeyboardInterrupt mid-run aborts this call's requests before it propagates.
         """
+        if not isinstance(prompts, (str, list, tuple)):  # an array's truth value would be the error
+            raise RequestError(f"prompts must be a string, a list of token ids or a list of either, got "
+                               f"{type(prompts).__name__} (an array: pass .tolist())", "prompt")
         if isinstance(prompts, str) or (prompts and is_token_ids(prompts)):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise RequestError(f"prompts must be a string, a list of token ids or a list of either, got "
-                               f"{type(prompts).__name__}", "prompt")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

@@ -70,7 +70,6 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.stop = [self.stop]
         self.stop = [] if self.stop is None else self.stop
         self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        check_field_types(self, lambda name, message: RequestError(f"'{name}': {message}", name))
         self.validate()
 
     @property
@@ -78,7 +77,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Check every field against :data:`~engine.request_ranges.RANGES`; raise RequestError naming it."""
+        """Check every field's type and range (:data:`~engine.request_ranges.RANGES`); raise
+        RequestError naming it. The engine calls this again when a request is added: the struct is
+        mutable, and a field changed after construction skipped the checks."""
+        check_field_types(self, lambda name, message: RequestError(f"'{name}': {message}", name))
         for name in RANGES:
             if hasattr(self, name):
                 check_range(name, getattr(self, name))

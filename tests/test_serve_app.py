@@ -36,6 +36,18 @@ def test_port_in_use_is_a_clear_startup_error(capsys, monkeypatch, ray_address):
     assert f"127.0.0.1:{port}" in err and "`make serve PORT=...`" in err  # make users set PORT, not --port
 
 
+@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])  # TEST-NET-1: no machine's own
+def test_a_host_that_is_not_this_machines_names_the_host_not_the_port(capsys, monkeypatch, host):
+    """The advice used to be "is another server running? pick another port"."""
+    import actors.cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(actors.cluster, "init_ray", lambda *_: pytest.fail("Ray started"))
+    assert serve_app.main(["--config", "configs/embedded.yaml", "--host", host]) == 2
+    err = capsys.readouterr().err
+    assert f"http.host: cannot listen on {host!r}" in err and "another port" not in err
+
+
 def test_a_port_taken_after_the_check_is_a_clear_startup_error(capsys, monkeypatch):
     """Ray's processes take ephemeral ports as they start, so a port free at the check can be gone
     when Serve's proxy binds it (seen in a sweep): one line and exit code 2, not a traceback."""

@@ -3,7 +3,9 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
+import torch
 
 from engine.args import EngineArgs
 from engine.errors import CheckpointError, ConfigError
@@ -72,6 +74,22 @@ def test_yaml_unknown_field_names_path(tmp_path):
     cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 4\n  max_num_seq: 5\n")
     with pytest.raises(ConfigError, match=r"max_num_seq.*\$\.scheduler"):
         load_yaml(cfg, EngineArgs)
+
+
+def test_yaml_key_given_twice_is_refused_with_its_line(tmp_path):
+    """PyYAML keeps the last of two equal keys: the first scheduler section was silently dropped."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 4\nscheduler:\n  max_waiting: 5\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'scheduler'\n.*line 4, column 1"):
+        load_yaml(cfg, EngineArgs)
+    cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 4\n  max_num_seqs: 5\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'max_num_seqs'"):
+        load_yaml(cfg, EngineArgs)
+    cfg.write_text("model: /x\n[1]: 2\n")  # an unhashable key: still a ConfigError, not a TypeError
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_yaml(cfg, EngineArgs)
+    cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 4\n")
+    assert load_yaml(cfg, EngineArgs).scheduler.max_num_seqs == 4
 
 
 def test_yaml_out_of_range_field_names_it(tmp_path):
@@ -197,7 +215,9 @@ def test_a_context_window_beyond_the_models_is_refused_before_the_kv_cache_is_al
     assert LLM(TARGET, max_model_len=1024).engine.max_model_len == 1024
 
 
-@pytest.mark.parametrize("prompts", [None, b"def x():", [5, "text"], [True, False], [[1.5, 2]]])
+# An array used to fail on its own truth value ("ambiguous"), naming nothing.
+@pytest.mark.parametrize("prompts", [None, b"def x():", [5, "text"], [True, False], [[1.5, 2]],
+                                     np.array([5, 6, 7]), torch.tensor([5, 6, 7])])
 def test_prompts_of_the_wrong_type_are_refused_naming_the_prompt(prompts):
     from engine import LLM, SamplingParams
     from engine.request_ranges import RequestError
@@ -219,3 +239,18 @@ def test_an_eagle3_head_given_as_a_draft_model_points_to_its_method():
     head = DRAFT.replace("stdlib-draft", "stdlib-eagle3")
     with pytest.raises(ConfigError, match=r"LlamaForCausalLMEagle3.*speculative_method 'eagle3'"):
         LLM(TARGET, draft_model=head)
+
+
+def test_sampling_params_changed_after_construction_are_checked_again_when_added():
+    """The struct is mutable: max_tokens = -5 set afterwards used to run and return one token."""
+    from engine import LLM, SamplingParams
+    from engine.request_ranges import RequestError
+    from tests.engine.bundled import TARGET
+
+    llm = LLM(TARGET)
+    for name, value, message in (("max_tokens", -5, "'max_tokens'"), ("temperature", "hot", "'temperature'")):
+        params = SamplingParams(temperature=0.0, max_tokens=3)
+        setattr(params, name, value)
+        with pytest.raises(RequestError, match=message) as err:
+            llm.generate([[5, 6, 7]], params)
+        assert err.value.param == name and not llm.engine.has_unfinished_requests()
