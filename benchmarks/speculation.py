@@ -107,7 +107,7 @@ def main() -> None:
     prompts = [tok.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in rows]
     lengths = [r["max_tokens"] if args.dataset_lengths else args.max_tokens for r in rows]
     params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in lengths]
-    spec = [("fixed", int(k)) for k in args.fixed_ks.split(",")] + [("adaptive", args.max_k)]
+    spec = [("fixed", int(k)) for k in args.fixed_ks.split(",") if k] + [("adaptive", args.max_k)]
     configs = [("none", 0, False)] + [(n, k, False) for n, k in spec] + \
         ([(n, k, True) for n, k in spec] if args.pipelined else [])
     rows = []
