@@ -76,33 +76,23 @@ def test_yaml_unknown_field_names_path(tmp_path):
         load_yaml(cfg, EngineArgs)
 
 
-def test_yaml_key_given_twice_is_refused_with_its_line(tmp_path):
-    """PyYAML keeps the last of two equal keys: the first scheduler section was silently dropped."""
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 4\nscheduler:\n  max_waiting: 5\n")
-    with pytest.raises(ConfigError, match=r"duplicate key 'scheduler'\n.*line 4, column 1"):
-        load_yaml(cfg, EngineArgs)
-    cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 4\n  max_num_seqs: 5\n")
-    with pytest.raises(ConfigError, match=r"duplicate key 'max_num_seqs'"):
-        load_yaml(cfg, EngineArgs)
-    cfg.write_text("model: /x\n[1]: 2\n")  # an unhashable key: still a ConfigError, not a TypeError
-    with pytest.raises(ConfigError, match="invalid YAML"):
+@pytest.mark.parametrize("text, match", [
+    # PyYAML keeps the last of two equal keys: the first scheduler section was silently dropped.
+    ("model: /x\nscheduler:\n  max_num_seqs: 4\nscheduler:\n  max_waiting: 5\n",
+     r"duplicate key 'scheduler'\n.*line 4, column 1"),
+    ("model: /x\nscheduler:\n  max_num_seqs: 4\n  max_num_seqs: 5\n", r"duplicate key 'max_num_seqs'"),
+    ("model: /x\n[1]: 2\n", "invalid YAML"),  # an unhashable key: a ConfigError, not a TypeError
+    ("model: /x\nscheduler:\n  max_num_seqs: 0\n", r"max_num_seqs"),
+    ("model: /x\nnum_speculative_tokens: 17\nspeculative_method: ngram\n", r"num_speculative_tokens"),
+    ("model: /x\nspeculative_method: medusa\n", r"\$\.speculative_method"),
+])
+def test_bad_yaml_is_a_config_error_naming_the_culprit(tmp_path, text, match):
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=match):
         load_yaml(cfg, EngineArgs)
     cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 4\n")
     assert load_yaml(cfg, EngineArgs).scheduler.max_num_seqs == 4
-
-
-def test_yaml_out_of_range_field_names_it(tmp_path):
-    cfg = tmp_path / "engine.yaml"
-    cfg.write_text("model: /x\nscheduler:\n  max_num_seqs: 0\n")
-    with pytest.raises(ConfigError, match=r"max_num_seqs"):
-        load_yaml(cfg, EngineArgs)
-    cfg.write_text("model: /x\nnum_speculative_tokens: 17\nspeculative_method: ngram\n")
-    with pytest.raises(ConfigError, match=r"num_speculative_tokens"):
-        load_yaml(cfg, EngineArgs)
-    cfg.write_text("model: /x\nspeculative_method: medusa\n")
-    with pytest.raises(ConfigError, match=r"\$\.speculative_method"):
-        load_yaml(cfg, EngineArgs)
 
 
 def test_generate_with_a_bad_prompt_leaves_nothing_queued():
