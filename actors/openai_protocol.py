@@ -41,6 +41,8 @@ INERT_WHEN: dict[str, tuple[str, str]] = {"tools": ("tool_choice", "none"), "fun
 UNSUPPORTED_CHAT: dict[str, tuple] = {
     "chat_template": (), "chat_template_kwargs": ({},), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "documents": (),
+    # OpenAI's chat outputs other than text (audio) and its built-in web search.
+    "modalities": (["text"],), "audio": (), "web_search_options": (),
 }
 
 
@@ -134,6 +136,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
                 continue
             if value is not None and value not in no_op:  # (the field types keep bools from equalling 0)
                 only = f" (only {', '.join(msgspec.json.encode(v).decode() for v in no_op)})" if no_op else ""
+                if name in INERT_WHEN:
+                    only += f", unless '{INERT_WHEN[name][0]}' is \"{INERT_WHEN[name][1]}\""
                 raise ProtocolError(f"'{name}' is not supported by this server{only}", name)
         if self.best_of is not None and self.best_of < self.n:  # OpenAI's and vLLM's rule
             raise ProtocolError(f"'best_of' must be >= n ({self.n}), got {self.best_of}", "best_of")
@@ -213,8 +217,11 @@ class ChatMessage(msgspec.Struct):
         if isinstance(self.content, list):  # content parts: only text parts are supported
             parts = []
             for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ProtocolError("only text content parts are supported", "messages")
+                if part.get("type") != "text":
+                    raise ProtocolError(f"only text content parts are supported, got type {part.get('type')!r}",
+                                        "messages")
+                if not isinstance(part.get("text"), str):
+                    raise ProtocolError("a text content part needs a string 'text'", "messages")
                 parts.append(part["text"])
             return "".join(parts)
         return self.content or ""
@@ -232,6 +239,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     documents: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
     null_means_default: ClassVar[dict[str, object]] = {**_Sampling.null_means_default, "logprobs": False}
     unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **UNSUPPORTED_CHAT}
 

@@ -85,7 +85,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order.
 
         Args:
-            prompts: a string, a list of token ids, or a list of either.
+            prompts: a string, a list of token ids, vLLM's ``{"prompt": str}`` or
+                ``{"prompt_token_ids": [int]}``, or a list of those.
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
 
         Raises:
@@ -93,9 +94,12 @@ class LLM:
                 this call queued before the bad one are withdrawn, so nothing of it runs later.
                 Likewise, a KeyboardInterrupt mid-run aborts this call's requests before it propagates.
         """
+        if isinstance(prompts, dict):
+            prompts = [prompts]
         if not isinstance(prompts, (str, list, tuple)):  # an array's truth value would be the error
-            raise RequestError(f"prompts must be a string, a list of token ids or a list of either, got "
-                               f"{type(prompts).__name__} (an array: pass .tolist())", "prompt")
+            hint = " (an array: pass .tolist())" if hasattr(prompts, "tolist") else ""
+            raise RequestError(f"prompts must be a string, a list of token ids, a prompt dict or a list of "
+                               f"those, got {type(prompts).__name__}{hint}", "prompt")
         if isinstance(prompts, str) or (prompts and is_token_ids(prompts)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -118,6 +122,7 @@ class LLM:
         return requests
 
     def _add(self, prompt: object, params: SamplingParams) -> RequestOutput:
+        prompt = _unwrap_prompt_dict(prompt)
         text = prompt if isinstance(prompt, str) else None
         if text is None and not is_token_ids(prompt):
             raise RequestError(f"each prompt must be a string or a list of token ids (ints), got "
@@ -140,3 +145,14 @@ class LLM:
     def get_metrics(self) -> dict:
         """Engine totals (see :meth:`LLMEngine.get_metrics`)."""
         return self.engine.get_metrics()
+
+
+def _unwrap_prompt_dict(prompt: object) -> object:
+    """vLLM's prompt dicts: ``{"prompt": str}`` (TextPrompt) or ``{"prompt_token_ids": [int]}``
+    (TokensPrompt) -> the string or the ids; anything else unchanged (checked by the caller)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if prompt.keys() in ({"prompt"}, {"prompt_token_ids"}):
+        return next(iter(prompt.values()))
+    raise RequestError(f"a prompt dict takes exactly one of 'prompt' or 'prompt_token_ids', got keys "
+                       f"{sorted(prompt)}", "prompt")

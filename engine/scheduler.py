@@ -65,6 +65,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's rule: each running sequence a token
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens must be >= max_num_seqs "
+                             f"({self.max_num_seqs}), got {self.max_num_batched_tokens}")
         if self.spec_disable_batch_size < 0:
             raise ValueError("SchedulerConfig.spec_disable_batch_size must be >= 0")
         for name, slo in self.slo_classes.items():

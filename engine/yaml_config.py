@@ -44,6 +44,8 @@ def load_yaml(path: str | Path, schema: type[T]) -> T:
         tree = yaml.load(path.read_bytes(), _UniqueKeyLoader)
     except (yaml.YAMLError, ValueError, LookupError, AttributeError, TypeError) as e:  # as msgspec.yaml
         raise ConfigError(f"{path}: invalid YAML ({e})") from e
+    if tree is None:
+        raise ConfigError(f"{path}: the file is empty (expected the fields of {schema.__name__})")
     try:  # what msgspec.yaml.decode does after its own yaml.load
         return msgspec.convert(tree, schema, builtin_types=(datetime.datetime, datetime.date))
     except msgspec.ValidationError as e:

@@ -92,6 +92,9 @@ def test_bad_dtype_device_checkpoints_and_a_small_expert_byte_budget_fail_before
                                  # checkpoints that do not fit the method or each other
                                  (("speculative_method: draft", "speculative_method: eagle3"),
                                   "stdlib-draft/config.json: config.architectures: 'LlamaForCausalLM' is not an EAGLE-3 head"),
+                                 # the same with the fix named (--speculative-method eagle3 alone)
+                                 (("speculative_method: draft", "speculative_method: eagle3"),
+                                  "takes an EAGLE-3 head as draft_model (the bundled one: checkpoints/stdlib-eagle3)"),
                                  (("draft_model: checkpoints/stdlib-draft", "draft_model: checkpoints/stdlib-eagle3"),
                                   "stdlib-eagle3: config.architectures: unsupported architecture 'LlamaForCausalLMEagle3'"),
                                  # Was a failed ingress replica and tracebacks (the window is 1024).

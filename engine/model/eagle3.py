@@ -73,7 +73,8 @@ def load_eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
     arch = (raw.get("architectures") or [None])[0]
     if arch not in EAGLE3_ARCHITECTURES:
         raise ConfigError(f"{file}: config.architectures: {arch!r} is not an EAGLE-3 head "
-                          f"(expected one of {', '.join(EAGLE3_ARCHITECTURES)})")
+                          f"(expected one of {', '.join(EAGLE3_ARCHITECTURES)}); speculative_method eagle3 "
+                          f"takes an EAGLE-3 head as draft_model (the bundled one: checkpoints/stdlib-eagle3)")
     get = _field_getter(raw)
     if get("num_hidden_layers", int) != 1:
         raise ConfigError(f"{file}: config.num_hidden_layers: an EAGLE-3 head has 1 decoder layer, "

@@ -85,6 +85,11 @@ def test_yaml_unknown_field_names_path(tmp_path):
     ("model: /x\nscheduler:\n  max_num_seqs: 0\n", r"max_num_seqs"),
     ("model: /x\nnum_speculative_tokens: 17\nspeculative_method: ngram\n", r"num_speculative_tokens"),
     ("model: /x\nspeculative_method: medusa\n", r"\$\.speculative_method"),
+    ("", "the file is empty"),  # was msgspec's "Expected `object`, got `null`"
+    ("# only a comment\n", "the file is empty"),
+    # vLLM's rule: each running sequence needs at least one token of the step budget.
+    ("model: /x\nscheduler:\n  max_num_seqs: 8\n  max_num_batched_tokens: 4\n",
+     r"max_num_batched_tokens must be >= max_num_seqs \(8\), got 4"),
 ])
 def test_bad_yaml_is_a_config_error_naming_the_culprit(tmp_path, text, match):
     cfg = tmp_path / "engine.yaml"
@@ -229,6 +234,27 @@ def test_an_eagle3_head_given_as_a_draft_model_points_to_its_method():
     head = DRAFT.replace("stdlib-draft", "stdlib-eagle3")
     with pytest.raises(ConfigError, match=r"LlamaForCausalLMEagle3.*speculative_method 'eagle3'"):
         LLM(TARGET, draft_model=head)
+
+
+def test_vllm_prompt_dicts_are_accepted_and_other_dicts_named():
+    from engine import LLM, SamplingParams
+    from engine.request_ranges import RequestError
+    from tests.engine.bundled import TARGET
+
+    llm = LLM(TARGET)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    ids = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    text = llm.generate("def f(x):", params)[0].outputs[0].token_ids
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids == ids
+    both = llm.generate([{"prompt": "def f(x):"}, {"prompt_token_ids": [5, 6, 7]}], params)
+    assert [o.outputs[0].token_ids for o in both] == [text, ids]
+    with pytest.raises(RequestError, match=r"exactly one of 'prompt' or 'prompt_token_ids', got keys \['ids'\]"):
+        llm.generate({"ids": [5]}, params)
+    for bad, hint in ((5, False), (np.array([5, 6]), True)):  # the array hint only for arrays
+        with pytest.raises(RequestError, match="prompts must be") as err:
+            llm.generate(bad, params)
+        assert (".tolist()" in str(err.value)) is hint
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_sampling_params_changed_after_construction_are_checked_again_when_added():

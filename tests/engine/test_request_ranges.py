@@ -162,7 +162,7 @@ def test_tool_definitions_are_accepted_only_where_the_choice_turns_them_off(tool
     for refused in ({}, {choice: "auto"}):  # OpenAI's default with tools is "auto": tools would be called
         with pytest.raises(ProtocolError, match=f"'{tools}' is not supported") as err:
             decode_request(msgspec.json.encode({**body, **refused}), ChatCompletionRequest)
-        assert err.value.param == tools
+        assert err.value.param == tools and f"unless '{choice}' is \"none\"" in str(err.value)
 
 
 def test_the_model_field_may_be_left_out():
@@ -172,6 +172,9 @@ def test_the_model_field_may_be_left_out():
 @pytest.mark.parametrize(("field", "no_op", "refused"), [
     ("chat_template", None, "{{ messages }}"), ("chat_template_kwargs", {}, {"enable_thinking": True}),
     ("add_generation_prompt", True, False), ("continue_final_message", False, True), ("documents", None, []),
+    # OpenAI's audio output and web search were accepted and silently ignored (text came back).
+    ("modalities", ["text"], ["text", "audio"]), ("audio", None, {"voice": "alloy", "format": "wav"}),
+    ("web_search_options", None, {}),
 ])
 def test_vllm_chat_fields_are_refused_unless_they_ask_for_nothing(field, no_op, refused):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -201,3 +204,16 @@ def test_a_missing_or_mistyped_field_is_named_in_param(body, schema, param):
     with pytest.raises(ProtocolError) as err:
         decode_request(msgspec.json.encode(body), schema)
     assert err.value.param == param
+
+
+@pytest.mark.parametrize(("part", "message"), [
+    ({"type": "image_url", "image_url": {"url": "x"}}, "only text content parts are supported, got type 'image_url'"),
+    ({"type": "text"}, "a text content part needs a string 'text'"),  # was "only text parts": it is one
+    ({"type": "text", "text": 5}, "a text content part needs a string 'text'"),
+])
+def test_a_bad_content_part_says_what_is_wrong_with_it(part, message):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
+    req = decode_request(msgspec.json.encode(body), ChatCompletionRequest)
+    with pytest.raises(ProtocolError, match=message) as err:
+        req.messages[0].text()
+    assert err.value.param == "messages"
