@@ -29,6 +29,7 @@ from engine.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from engine.request_ranges import (
     check_draft_length,
     check_n,
+    check_priority,
     check_prompt,
     check_stop_ids,
     check_without_tokenizer,
@@ -136,6 +137,7 @@ class LLMEngine:
         if self.target.tokenizer is None:
             check_without_tokenizer(False, params.stop)
         check_n(params.n, self.scheduler.config.max_num_seqs, self.scheduler.config.max_waiting)
+        check_priority(params.priority, self.scheduler.config.scheduling_policy)
         if not self.scheduler.can_accept(params.n):  # QueueFull: a 503 to retry, where check_n's is a 400
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")

@@ -209,3 +209,15 @@ def check_n(n: int, max_num_seqs: int, max_waiting: int) -> None:
     if n > max_num_seqs + max_waiting:
         raise RequestError(f"'n' must be at most {max_num_seqs + max_waiting} (this server's {max_num_seqs} "
                            f"running + {max_waiting} waiting sequences), got {n}", param="n")
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A request's ``priority`` only means something to a policy that orders by it (vLLM answers
+    the same request with a 400: priority scheduling is not enabled).
+
+    Raises:
+        RequestError: ``param`` "priority": non-zero under ``fcfs``.
+    """
+    if priority and scheduling_policy == "fcfs":
+        raise RequestError(f"'priority' {priority} needs priority scheduling; this server schedules first come, "
+                           f"first served (engine.scheduler.scheduling_policy: fcfs)", param="priority")

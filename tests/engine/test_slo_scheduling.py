@@ -47,7 +47,16 @@ def test_priority_policy_runs_lower_priority_values_first_then_arrival():
     mk = lambda prio: SamplingParams(temperature=0.0, max_tokens=1, priority=prio)  # noqa: E731
     reqs = [("p5", mk(5)), ("p0", mk(0)), ("p3", mk(3)), ("p0b", mk(0))]
     assert admission_order(engine_with("priority"), reqs) == ["p0", "p0b", "p3", "p5"]
-    assert admission_order(engine_with("fcfs"), reqs) == ["p5", "p0", "p3", "p0b"]
+
+
+def test_a_priority_under_fcfs_is_refused_as_vllm_does():
+    """It used to be accepted and ignored; vLLM answers 400 (priority scheduling not enabled)."""
+    engine = engine_with("fcfs")
+    with pytest.raises(RequestError, match=r"'priority' 5 needs priority scheduling.*scheduling_policy: fcfs") as err:
+        engine.add_request("p5", prompt_ids(1, 40)[0], SamplingParams(temperature=0.0, max_tokens=1, priority=5))
+    assert err.value.param == "priority" and not engine.has_unfinished_requests()
+    engine.add_request("p0", prompt_ids(1, 40)[0], SamplingParams(temperature=0.0, max_tokens=1, priority=0))
+    assert engine.has_unfinished_requests()
 
 
 def test_slo_policy_runs_the_earliest_ttft_deadline_first():
