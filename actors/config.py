@@ -18,10 +18,11 @@ def _require(ok: bool, field: str, rule: str, value: object) -> None:
         raise ValueError(f"{field} must be {rule}, got {value!r}")
 
 
-def _check_actor_resources(num_cpus: float, num_gpus: float, resources: dict[str, float], prefix: str = "") -> None:
-    """Ray refuses negative amounts only when it places the actor, inside a replica's start."""
-    _require(num_cpus >= 0, f"{prefix}num_cpus", ">= 0", num_cpus)
-    _require(num_gpus >= 0, f"{prefix}num_gpus", ">= 0", num_gpus)
+def _check_actor_resources(resources: dict[str, float], prefix: str = "", **amounts: float) -> None:
+    """``amounts`` (``num_cpus``, ``num_gpus``) >= 0 and custom ``resources`` > 0: Ray refuses
+    others only when it places the actor, inside a replica's start."""
+    for name, v in amounts.items():
+        _require(v >= 0, f"{prefix}{name}", ">= 0", v)
     for name, v in resources.items():
         _require(v > 0, f"{prefix}resources.{name}", "> 0", v)
 
@@ -199,7 +200,7 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         self._check_offload()
         _require(self.experts_per_actor >= 1, "experts.experts_per_actor", ">= 1", self.experts_per_actor)
         _require(self.replicas >= 1, "experts.replicas", ">= 1", self.replicas)
-        _check_actor_resources(0.0, self.num_gpus, self.resources, "experts.")
+        _check_actor_resources(self.resources, "experts.", num_gpus=self.num_gpus)
         _require(self.torch_threads >= 1, "experts.torch_threads", ">= 1", self.torch_threads)
         for group, n in self.hot_expert_replicas.items():
             _require(n >= 1, f"experts.hot_expert_replicas.{group}", ">= 1", n)
@@ -258,7 +259,7 @@ class DraftActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     num_gpus: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_actor_resources(self.num_cpus, self.num_gpus, {})
+        _check_actor_resources({}, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -284,7 +285,7 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
     def __post_init__(self) -> None:
         _require(self.num_replicas >= 1, "num_replicas", ">= 1", self.num_replicas)
-        _check_actor_resources(self.num_cpus, self.num_gpus, self.resources)
+        _check_actor_resources(self.resources, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
         _require(self.max_ongoing_requests >= 1, "max_ongoing_requests", ">= 1", self.max_ongoing_requests)
         _require(self.graceful_shutdown_timeout_s >= 0, "graceful_shutdown_timeout_s", ">= 0",
                  self.graceful_shutdown_timeout_s)

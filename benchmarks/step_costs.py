@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import DRAFT, TARGET, load_prompts, machine, print_table, save_json  # noqa: E402
+from benchmarks.common import TARGET, load_prompts, machine, print_table, save_json  # noqa: E402
+from benchmarks.speculation import build  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -62,8 +63,7 @@ class CallTimer:
 
 def measure(k: int, batch: int, prompts: list[list[int]], max_tokens: int) -> dict:
     """One row: the engine at ``batch`` sequences drafting ``k`` tokens each (0: no drafter)."""
-    llm = LLM(TARGET, draft_model=DRAFT if k else None, num_speculative_tokens=k, speculative_policy="fixed",
-              max_num_seqs=batch, max_num_batched_tokens=16384)
+    llm = build("fixed" if k else "none", k, batch)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[: max(batch, 2)], params)  # warm-up
     engine, timer = llm.engine, CallTimer()
