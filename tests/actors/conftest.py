@@ -6,7 +6,9 @@ import socket
 import time
 
 import msgspec
+import psutil
 import pytest
+import ray
 
 from actors.config import ServeConfig
 
@@ -24,6 +26,22 @@ def wait_until(predicate, timeout_s: float, what: str, poke=None) -> None:
         if poke is not None:
             poke()
         time.sleep(0.05)
+
+
+def kill_and_wait(handle, timeout_s: float = 30.0) -> None:
+    """``ray.kill`` an actor and return once its process has exited. ``ray.kill`` returns at
+    once, and the GCS marks the actor dead ~10 ms before its process is gone: a test that
+    asserts what the next call does to a dead actor must wait for the process itself."""
+    pid = ray._private.state.actors(handle._actor_id.hex())["Pid"]
+    ray.kill(handle)
+
+    def exited() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(exited, timeout_s, f"actor process {pid} to exit")
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ from engine.config import load_model_config
 from engine.model import ExpertStore
 from engine.model.moe import dispatch
 from kernels.routing import topk_routing
-from tests.actors.conftest import TARGET, wait_until
+from tests.actors.conftest import TARGET, kill_and_wait, wait_until
 
 
 def _layer_inputs(tokens: int, seed: int):
@@ -100,7 +100,7 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     expected = _expected(2, hidden, routing)
     wait_until(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
     victim = router.graph.members[1]
-    ray.kill(victim.handle)
+    kill_and_wait(victim.handle)
     outs = [router.execute(2, hidden, routing) for _ in range(3)]
     for out in outs:
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
@@ -141,7 +141,7 @@ def test_an_actor_killed_under_the_graph_hands_the_next_layer_to_the_standby_gra
         wait_until(lambda: router.graph.live and router.standby.live, 120, "the graph and its standby",
                    poke=lambda: router.execute(1, hidden, routing))
         victim, standby = router.graph.members[1], router.standby
-        ray.kill(victim.handle)
+        kill_and_wait(victim.handle)
         torch.testing.assert_close(router.execute(1, hidden, routing), expected, rtol=1e-6, atol=1e-6)
         assert not router.graph.live  # dropped: this layer went by actor calls
         builds, graph_layers = router.graph_stats()["builds"], router.num_graph_layers
@@ -264,7 +264,7 @@ def test_an_idle_graph_is_parked_and_woken_by_the_next_layer_without_a_rebuild(s
         assert router.graph.stats.builds == 1 and router.graph.stats.rebuilds == 0
         # A member killed while parked: the wake-up finds it, the layer goes by actor calls.
         wait_until(lambda: router.graph.stats.parks == 2, 10, "the second parking")
-        ray.kill(router.graph.members[0].handle)
+        kill_and_wait(router.graph.members[0].handle)
         torch.testing.assert_close(router.execute(0, hidden, routing), _expected(0, hidden, routing))
         assert router.graph.stats.failures == 1 and router.num_call_layers == calls + 1
     finally:

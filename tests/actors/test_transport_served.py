@@ -19,7 +19,7 @@ from engine import SamplingParams
 from engine.drafters.base import DraftRequest
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.loader import load_model
-from tests.actors.conftest import DRAFT, MODEL_NAME, wait_until
+from tests.actors.conftest import DRAFT, MODEL_NAME, kill_and_wait, wait_until
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["compiled_graph", "actor_call"])
@@ -39,7 +39,7 @@ def test_remote_drafter_equals_in_process_and_survives_a_dead_actor(served, grap
             assert [p.token_ids for p in proposals] == [p.token_ids for p in expected]
             torch.testing.assert_close(proposals[2].probs, expected[2].probs)
             assert proposals[3].probs is None and len(proposals[3].token_ids) == 3  # a race row ships no q
-        ray.kill(drafter.member.handle)
+        kill_and_wait(drafter.member.handle)
         assert [p.token_ids for p in drafter.propose(reqs())] == [[], [], [], []]  # this step: no speculation
         assert drafter.num_failures == 1 and drafter.generation == 1
         assert [p.token_ids for p in drafter.propose(reqs())] == [p.token_ids for p in expected]
