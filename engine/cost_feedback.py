@@ -50,15 +50,16 @@ def take_distinct_experts(model: Transformer, count: bool) -> int | None:
 
 def observe_costs(controller: SpeculationController, draft_s: float, target_s: float,
                   drafts: dict[str, DraftProposal], sched: SchedulerOutput, distinct: int | None,
-                  catchup_by_seq: dict[str, int]) -> None:
+                  catchup_by_seq: dict[str, int], prefill_pairs: float) -> None:
     """Feed the step's measured costs to the controller (draft phase; target + verify).
 
     Windows drafted ahead (pipelined) cost this step's draft phase nothing but the hop, so
     only the others count as drafted work. ``catchup_by_seq``: per sequence, the tokens the
-    drafter caught up on this step."""
+    drafter caught up on this step; ``prefill_pairs``: the chunks' attention work
+    (:func:`engine.spec_cost.prefill_attention_pairs`)."""
     lengths = [len(p.token_ids) for p in drafts.values()]
     drafted = [len(p.token_ids) for p in drafts.values() if not p.pipelined]
     catchup = sum(catchup_by_seq.get(sid, 0) for sid, p in drafts.items() if not p.pipelined)
     tokens = sum(sched.chunks.values()) + len(sched.decodes) + sum(lengths)
     controller.observe_step(draft_s if drafted else 0.0, max(drafted, default=0), sum(drafted), target_s,
-                            tokens, distinct, catchup)
+                            tokens, distinct, catchup, prefill_pairs)

@@ -39,6 +39,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
 from engine.slo import SLOPolicy
 from engine.spec_controller import Decision, SpeculativePolicy
+from engine.spec_cost import prefill_attention_pairs
 from engine.verification import build_verify_batch, verify
 from kernels.rejection import PLACEHOLDER_TOKEN_ID
 
@@ -187,8 +188,10 @@ class LLMEngine:
         before = (self.stats.num_draft_tokens, self.stats.num_accepted_tokens, self.stats.num_emitted_tokens)
         with self.observer.step(sorted({s.request_id for s in seqs})) as report:
             decision = Decision()
+            # Before the forward moves num_cached: where each chunk starts sets its attention work.
+            pairs = sum(prefill_attention_pairs(s.num_cached, sched.chunks[s.seq_id]) for s in sched.prefills)
             try:
-                decision = self._plan(sched)
+                decision = self._plan(sched, pairs)
                 with self.observer.phase(PHASE_DRAFT):
                     t0 = time.perf_counter()
                     drafts = self._propose(sched.decodes, decision)
@@ -198,7 +201,7 @@ class LLMEngine:
                 fits = learns_costs(self.controller.max_k, self.scheduler.config) and self.controller.fits_last_step
                 distinct = take_distinct_experts(self.target.model, fits)
                 if fits:
-                    observe_costs(self.controller, t1 - t0, target_s, drafts, sched, distinct, self._catchup)
+                    observe_costs(self.controller, t1 - t0, target_s, drafts, sched, distinct, self._catchup, pairs)
                 if not sched.prefills:  # the realised goodput check compares pure-decode steps only
                     self.controller.observe_goodput(self.stats.num_emitted_tokens - before[2],
                                                     time.perf_counter() - start)
@@ -232,8 +235,9 @@ class LLMEngine:
     def _decode_cost(self, seq: Sequence, speculate: bool) -> int:
         return 1 + self._k_for(seq, speculate)  # the cap: the controller may choose less
 
-    def _plan(self, sched: SchedulerOutput) -> Decision:
-        """Each decoding sequence's draft length this step, from the controller."""
+    def _plan(self, sched: SchedulerOutput, prefill_pairs: float) -> Decision:
+        """Each decoding sequence's draft length this step, from the controller (``prefill_pairs``:
+        the chunks' attention work, :func:`engine.spec_cost.prefill_attention_pairs`)."""
         # Seeded sampling too: its tokens are races that no draft length changes (Sequence.race_seed).
         caps = {seq.seq_id: self._k_for(seq, sched.speculate) for seq in sched.decodes}
         base = sum(sched.chunks.values()) + len(sched.decodes)
@@ -241,7 +245,7 @@ class LLMEngine:
         catchup = {s.seq_id: s.num_tokens - s.num_draft_seen for s in sched.decodes}
         remaining = {s.seq_id: s.params.max_tokens - s.num_output_tokens for s in sched.decodes}
         decision = self.controller.plan(caps, base, final, catchup, remaining,
-                                        self.slo.tpot_slack(sched.decodes))
+                                        self.slo.tpot_slack(sched.decodes), prefill_pairs)
         for k in decision.k.values():
             self.draft_length_counts[k] += 1
         if sched.decodes and not any(decision.k.values()):

@@ -18,6 +18,7 @@ from engine.errors import QueueFull
 from engine.outputs import RequestOutput
 from engine.request_ranges import RequestError
 from engine.slo_admission import SlotJob, decode_hold_s, defer_until_s, deferred_jobs
+from engine.spec_cost import prefill_attention_pairs
 
 
 class SLOClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -172,12 +173,14 @@ class SLOPolicy:
         frees = [now] * free_now + [frees_at(s) for s in running]
         return {waiting[i].seq_id for i in deferred_jobs(jobs, frees, now)}
 
-    def step_predictor(self) -> Callable[[int], float]:
-        """Predicted step seconds for a number of target tokens: the target forward and, drafting
-        as the last step did, the draft phase (learned online; 0 before any step)."""
+    def step_predictor(self) -> Callable[..., float]:
+        """Predicted step seconds for a number of target tokens (and, optionally, the prefill
+        chunks' attention work, :func:`engine.spec_cost.prefill_attention_pairs`): the target
+        forward and, drafting as the last step did, the draft phase (learned online; 0 before any
+        step)."""
         ks = list(self.controller.last.k.values())
         passes, drafted = max(ks, default=0), sum(ks)
-        return lambda tokens: self.controller.predict_step_s(tokens, passes, drafted)
+        return lambda tokens, pairs=0.0: self.controller.predict_step_s(tokens, passes, drafted, prefill_pairs=pairs)
 
     def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
         """Prefill tokens this step may take so the running decodes keep their TPOT budgets.
@@ -189,7 +192,10 @@ class SLOPolicy:
         over its remaining decode-only steps), and never less than its TPOT budget times the
         tokens it is expected to emit in the step (:meth:`SpeculationController.expected_tokens`
         at its last draft length). Its class's ``itl_ms`` caps the allowance: slack buys one long
-        gap in a stream at the same TPOT, and that gap is the p99 ITL a client sees. A flat
+        gap in a stream at the same TPOT, and that gap is the p99 ITL a client sees. The cap is
+        divided by the 90th percentile of chunked steps' measured / predicted time
+        (``SpeculationController.chunk_overrun``), so nine chunked steps in ten keep it, and the
+        chunk's attention work counts as if it continued the furthest started prompt. A flat
         per-step cap sized chunks for the worst case and slowed bursts' TTFT: the production
         mix's 13-token completions have 50 ms x 12 of TPOT budget and decode steps of ~10-20 ms.
 
@@ -206,6 +212,7 @@ class SLOPolicy:
             return None
         predict = self.step_predictor()
         now, decode_s, budgets = time.monotonic(), predict(decode_tokens), []
+        overrun = self.controller.chunk_overrun.value  # measured / predicted, chunked steps' p90
         for s in decodes:
             slo = self.config.slo_for(s.params.slo_class)[1]
             if slo is None:
@@ -216,8 +223,10 @@ class SLOPolicy:
                 slack_s = projected_slack_s(s, slo.tpot_ms / 1e3, now, self.steps_left(s), decode_s)
                 caps_ms.append(step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
                                                  decode_s * 1e3, None if slack_s is None else slack_s * 1e3))
-            if slo.itl_ms:  # the gap this step makes in its stream, whatever the slack allows
-                caps_ms.append(slo.itl_ms)
+            if slo.itl_ms:  # the gap this step makes in its stream, whatever the slack allows,
+                # for nine chunked steps in ten: sized for the predicted (mean) step, half of them
+                # overran it, and a long prompt's few chunks set the short requests' p99 ITL
+                caps_ms.append(slo.itl_ms / overrun)
             # A cap the decode-only step already exceeds cannot be kept by shrinking the chunk;
             # holding chunks to the minimum then only starves admission (see the docstring).
             attainable = [c for c in caps_ms if c > decode_s * 1e3]
@@ -225,7 +234,11 @@ class SLOPolicy:
                 budgets.append(min(attainable))
         if not budgets:
             return None
-        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens, predict)
+        # The chunk's attention work, as if it continued the furthest started prompt (the largest
+        # for its size: late chunks of a long prompt ran 1.8x a cost linear in tokens).
+        start = max((s.num_cached for s in self.scheduler.running if s.num_prompt_tokens_left), default=0)
+        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
+                                   lambda tokens: predict(tokens, prefill_attention_pairs(start, tokens - decode_tokens)))
 
     def tpot_slack(self, decodes) -> dict[str, tuple[float, float]]:
         """(TPOT budget s, slack s) per decoding sequence with a TPOT budget and a first token, for

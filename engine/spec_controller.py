@@ -57,7 +57,7 @@ import numpy as np
 
 from engine.spec_acceptance import AcceptanceEstimates, expected_tokens
 from engine.spec_candidates import draft_candidates
-from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedCheck
+from engine.spec_cost import ExpertActivation, LogQuantile, OnlineLinearCost, RealisedCheck
 from engine.spec_scoring import amortised_catchup, ready_probability, within_tpot
 from engine.spec_settings import ControllerSettings
 
@@ -99,7 +99,8 @@ class SpeculationController:
         # [1, passes, drafted tokens, catch-up tokens]: a sequence that has not drafted for a while
         # (or ever: its prompt) costs the drafter a prefill of what it missed, a real cost of k > 0.
         self.draft_cost = OnlineLinearCost(4, forgetting=0.95)
-        self.target_cost = OnlineLinearCost(3)  # [1, target tokens, distinct experts]
+        # [1, target tokens, distinct experts, prefill attention pairs (thousands)]
+        self.target_cost = OnlineLinearCost(4)
         s = self.settings
         self.estimates = AcceptanceEstimates(max_k, s.acceptance_prior, s.prior_weight, s.global_decay,
                                              s.sequence_decay)
@@ -112,6 +113,9 @@ class SpeculationController:
         # Measured / predicted step time, per mode (drafting or not): the regression fits the
         # common mode best, so the rarer one (probes) may be biased; this corrects the comparison.
         self.calibration = {False: 1.0, True: 1.0}
+        # The 90th percentile of a chunked step's measured / (calibrated) predicted time, for
+        # chunks sized to an ITL budget (engine.slo.SLOPolicy.prefill_limit).
+        self.chunk_overrun = LogQuantile(0.9)
         self._ready: dict[str, int] = {}  # windows probably drafted ahead, for the next plan only
         self.realised = RealisedCheck(s.hysteresis, s.explore_interval_steps, s.thin_margin, s.goodput_decay,
                                       s.goodput_min_steps, s.required_gain, s.explore_backoff_doublings,
@@ -128,7 +132,7 @@ class SpeculationController:
     def plan(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int = 0,
              catchup: dict[str, int] | None = None,
              remaining: dict[str, int] | None = None,
-             tpot: dict[str, tuple[float, float]] | None = None) -> Decision:
+             tpot: dict[str, tuple[float, float]] | None = None, prefill_pairs: float = 0.0) -> Decision:
         """Draft lengths for this step.
 
         Args:
@@ -147,6 +151,8 @@ class SpeculationController:
                 sequence within budget are chosen (step <= budget x E[its tokens] + slack), or,
                 when none does, those that miss it least: a sequence behind its budget shortens
                 drafts that would stretch the step more than they emit.
+            prefill_pairs: the step's prefill chunks' attention work
+                (:func:`engine.spec_cost.prefill_attention_pairs`, summed).
         """
         self.fits_last_step = True
         if self.policy == "fixed" or self.max_k == 0 or not caps or not any(caps.values()):
@@ -171,13 +177,14 @@ class SpeculationController:
             explore_off = verdict == (True, True) and not tpot
             if verdict == (False, False) or explore_off:
                 decision = Decision(dict.fromkeys(caps, 0), "explore" if explore_off else "adaptive",
-                                    float(len(caps)), self.predict_step_s(num_base_tokens, refresh=False))
+                                    float(len(caps)),
+                                    self.predict_step_s(num_base_tokens, refresh=False, prefill_pairs=prefill_pairs))
                 if not explore_off:
                     self._off_steps += 1
                     self.fits_last_step = self._off_steps % s.off_fit_interval_steps == 0
             elif (decision := self._reuse(caps, num_base_tokens, num_prefills, tpot or {}, verdict)) is None:
                 decision = self._optimise(caps, num_base_tokens, num_prefills, catchup or {}, remaining or {},
-                                          tpot or {}, verdict)
+                                          tpot or {}, verdict, prefill_pairs)
                 # A plan around windows drafted ahead is good for this step only.
                 self._planned, self._plan_age = (None if self._ready else decision), 0
             if decision.reason == "adaptive":
@@ -236,7 +243,8 @@ class SpeculationController:
 
     def _optimise(self, caps: dict[str, int], num_base_tokens: int, num_prefills: int,
                   catchup: dict[str, int], remaining: dict[str, int],
-                  tpot: dict[str, tuple[float, float]], verdict: tuple[bool | None, bool] | None) -> Decision:
+                  tpot: dict[str, tuple[float, float]], verdict: tuple[bool | None, bool] | None,
+                  prefill_pairs: float) -> Decision:
         """The model's best draft lengths, overruled on or off by ``verdict``
         (:meth:`RealisedCheck.verdict`; None: not a pure-decode step, the model decides)."""
         ids = list(caps)
@@ -255,13 +263,13 @@ class SpeculationController:
         tokens = num_base_tokens + cand.tokens
         drafting = cand.drafted > 0
         draft_s = np.where(drafting, self.draft_cost.predict(1.0, cand.passes, cand.drafted, cand.caught), 0.0)
-        target_s = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
+        target_s = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens), prefill_pairs)
         calibration = np.where(drafting, self.calibration[True], self.calibration[False])
         step_s = np.maximum(draft_s + target_s, 1e-6) * calibration
         # A prefill chunk riding along costs the same whatever is drafted, and diluting the drafts'
         # cost in its time made drafting look cheap: the decodes' drafting is judged by their own
         # rate, step time less the chunk's (a chunk's token is emitted whatever is drafted).
-        chunk_s = self._chunk_s(num_base_tokens, len(ids)) * calibration
+        chunk_s = self._chunk_s(num_base_tokens, len(ids), prefill_pairs) * calibration
         rate = (expected - num_prefills) / np.maximum(step_s - chunk_s, 1e-6)
         if tpot:
             rate = np.where(within_tpot(ids, gains, cand.lengths, step_s, tpot), rate, -np.inf)
@@ -284,22 +292,24 @@ class SpeculationController:
                 best, reason = other, "explore"  # unless it would break a TPOT budget
         return Decision(dict(zip(ids, cand.lengths[best].tolist())), reason, float(expected[best]), float(step_s[best]))
 
-    def _chunk_s(self, num_base_tokens: int, num_decodes: int) -> float:
+    def _chunk_s(self, num_base_tokens: int, num_decodes: int, prefill_pairs: float) -> float:
         """Predicted target seconds of a step's prefill chunk: the step's base tokens less its
         decodes' (0 without a chunk)."""
         if num_base_tokens <= num_decodes:
             return 0.0
         tokens = np.array([num_base_tokens, num_decodes], dtype=np.float64)
-        both = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens))
+        both = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens),
+                                        np.array([prefill_pairs, 0.0]))
         return max(0.0, float(both[0] - both[1]))
 
     def predict_step_s(self, num_target_tokens: int, passes: int = 0, num_drafted: int = 0,
-                       refresh: bool = True) -> float:
-        """Predicted seconds of a step with this many target tokens and draft work (0 before
-        any step was observed); ``refresh=False``: with the fits as last solved (a figure only
-        reported)."""
+                       refresh: bool = True, prefill_pairs: float = 0.0) -> float:
+        """Predicted seconds of a step with this many target tokens, prefill attention work
+        (``prefill_pairs``: :func:`engine.spec_cost.prefill_attention_pairs`, summed over its
+        chunks) and draft work (0 before any step was observed); ``refresh=False``: with the fits
+        as last solved (a figure only reported)."""
         experts = self.activation.predict(num_target_tokens)
-        target = self.target_cost.predict(1.0, num_target_tokens, experts, refresh=refresh)
+        target = self.target_cost.predict(1.0, num_target_tokens, experts, prefill_pairs, refresh=refresh)
         draft = self.draft_cost.predict(1.0, passes, num_drafted, 0.0, refresh=refresh) if num_drafted else 0.0
         return float(target + draft) * self.calibration[num_drafted > 0]
 
@@ -332,19 +342,23 @@ class SpeculationController:
             self.estimates.observe_many(*zip(*seen))
 
     def observe_step(self, draft_s: float, passes: int, num_drafted: int, target_s: float,
-                     num_target_tokens: int, distinct_experts: int | None, num_catchup: int = 0) -> None:
+                     num_target_tokens: int, distinct_experts: int | None, num_catchup: int = 0,
+                     prefill_pairs: float = 0.0) -> None:
         """Measured costs of one step: the draft phase (0 s when nothing was drafted) and the
-        target forward plus verification, with the distinct (layer, expert) pairs it activated."""
+        target forward plus verification, with the distinct (layer, expert) pairs it activated
+        and its prefill chunks' attention work (``prefill_pairs``, as :meth:`plan` takes it)."""
         experts = float(self.activation.predict(num_target_tokens) if distinct_experts is None else distinct_experts)
         # The fits as last solved: solving them for a figure that only calibrates would cost a
         # solve per step even where nothing predicts (plain decoding kept off).
-        predicted = self.target_cost.predict(1.0, num_target_tokens, experts, refresh=False)
+        predicted = self.target_cost.predict(1.0, num_target_tokens, experts, prefill_pairs, refresh=False)
         if num_drafted > 0:
             predicted += self.draft_cost.predict(1.0, passes, num_drafted, num_catchup, refresh=False)
         if predicted > 0:  # before the models learn from this step: an honest out-of-sample ratio
             mode, rate = num_drafted > 0, self.settings.calibration_rate
             # In log space with the step's deviation clipped: one stalled step moves it by 22 % at most.
             dev = math.log(max(draft_s + target_s, 1e-9) / predicted / self.calibration[mode])
+            if prefill_pairs > 0:
+                self.chunk_overrun.observe(math.exp(dev))
             self.calibration[mode] *= math.exp(rate * min(1.0, max(-1.0, dev)))
         # Warm-up and probe steps exist to inform the fit (lengths the controller would not pick):
         # they count in full; its own choices are Huber-weighted against stalls.
@@ -353,7 +367,7 @@ class SpeculationController:
             self.draft_cost.observe([1.0, passes, num_drafted, num_catchup], draft_s, robust)
         if distinct_experts is not None:
             self.activation.observe(num_target_tokens, distinct_experts)
-        self.target_cost.observe([1.0, num_target_tokens, experts], target_s, robust)
+        self.target_cost.observe([1.0, num_target_tokens, experts, prefill_pairs], target_s, robust)
 
     def observe_goodput(self, num_emitted: int, step_s: float) -> None:
         """A pure-decode step (no prefill chunk) of the last plan emitted ``num_emitted`` tokens in

@@ -8,6 +8,9 @@ Step time is learned from the steps the engine actually runs, never from constan
   Huber-weighted (Huber 1964; weight ``min(1, c s / |r|)`` for residual ``r`` and a running
   residual scale ``s``), so a step stalled by something else (another process on the core, a
   page fault, a garbage collection) cannot move the coefficients far.
+- :func:`prefill_attention_pairs`: the attention work of prefill chunks, which tokens alone miss:
+  a chunk's queries attend over everything before them, so the same chunk late in a long prompt
+  costs more than at its start.
 - :class:`ExpertActivation`: how many distinct experts a forward over ``T`` tokens activates.
   Under top-k routing each token picks ``top_k`` of ``E`` experts; with an effective per-token
   activation probability ``p`` per expert, ``E[distinct] = E * (1 - (1 - p)^T)`` per MoE layer.
@@ -28,6 +31,34 @@ import numpy as np
 import torch
 
 from engine.model.moe import submit_experts
+
+
+def prefill_attention_pairs(start: int, length: int) -> float:
+    """Causal (query, key) pairs of a prefill chunk, in thousands: ``length`` queries at positions
+    ``start .. start + length - 1``, each attending over the keys up to its own position, so
+    ``length * (start + (length + 1) / 2) / 1e3``. A feature of the target's step cost: measured
+    on the bundled pair (2026-12-05), a 241-token chunk at position 659 ran 1.8x what a cost linear
+    in tokens predicted, where chunks at the start of a prompt ran 1.05x."""
+    return length * (start + (length + 1) / 2) / 1e3
+
+
+class LogQuantile:
+    """Online ``q``-quantile of positive ratios (measured / predicted step time), tracked in log
+    space by stochastic approximation (Robbins and Monro 1951; the quantile as the root of
+    ``P(x <= m) - q``): each observation above the estimate raises its log by ``rate * q``, each
+    other lowers it by ``rate * (1 - q)``, so it settles where a share ``1 - q`` lies above.
+    Starts at 1 (predictions trusted)."""
+
+    def __init__(self, q: float = 0.9, rate: float = 0.05) -> None:
+        self.q, self.rate, self._log = q, rate, 0.0
+
+    def observe(self, ratio: float) -> None:
+        above = math.log(max(ratio, 1e-9)) > self._log
+        self._log += self.rate * (self.q if above else self.q - 1.0)
+
+    @property
+    def value(self) -> float:
+        return math.exp(self._log)
 
 
 class OnlineLinearCost:

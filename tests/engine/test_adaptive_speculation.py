@@ -20,7 +20,7 @@ class ScriptedController(SpeculationController):
         self.script, self.calls = script, 0
 
     def plan(self, caps, num_base_tokens, num_prefills=0, catchup=None, remaining=None,
-             tpot=None) -> Decision:
+             tpot=None, prefill_pairs=0.0) -> Decision:
         k = self.script[self.calls % len(self.script)]
         self.calls += 1
         return Decision({sid: min(c, k + i % 2) if k else 0 for i, (sid, c) in enumerate(caps.items())}, "adaptive")

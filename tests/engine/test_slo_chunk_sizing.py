@@ -25,7 +25,7 @@ def policy_at_1000_s(monkeypatch, slo_classes: dict, **config):
     monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
     controller = SpeculationController(max_k=4)
     controller.last = Decision(k={})
-    linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    linear = lambda tokens, passes=0, drafted=0, prefill_pairs=0.0: 0.005 + 0.0001 * tokens  # noqa: E731
     controller.predict_step_s = linear
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes=slo_classes, **config))
     return SLOPolicy(scheduler, controller), linear
@@ -152,3 +152,36 @@ def test_a_cap_the_decode_only_step_already_exceeds_does_not_cap_the_chunk(monke
     alone = policy.prefill_limit([ahead], 200)  # 25 ms decode-only step + half its 95 ms of slack
     assert alone == prefill_token_limit([72.5], 200, 4096, linear) and 474 <= alone <= 475
     assert policy.prefill_limit([fresh, ahead], 200) == alone
+
+
+def test_an_itl_budget_is_sized_for_the_chunked_steps_overrun_and_a_late_chunks_attention(monkeypatch):
+    """Chunks sized for the predicted (mean) step put half the chunked steps over an ITL budget,
+    and those few steps set the p99 ITL: the cap is divided by the chunked steps' measured /
+    predicted 90th percentile. A chunk continuing a long prompt is sized with that prompt's
+    attention work (``prefill_pairs`` at its position), so it is smaller than a fresh prompt's."""
+    import math
+    from types import SimpleNamespace
+
+    from engine.spec_cost import prefill_attention_pairs
+
+    policy, linear = policy_at_1000_s(monkeypatch, {"itl": SLOClass(itl_ms=12.0)}, default_slo_class="itl")
+    fresh = SimpleNamespace(seq_id="a", params=SamplingParams(max_tokens=12), num_output_tokens=0,
+                            request=SimpleNamespace(metrics=RequestMetrics(arrival_time_s=990.0)))
+    assert policy.prefill_limit([fresh], 1) == prefill_token_limit([12.0], 1, 4096, linear)
+    policy.controller.chunk_overrun._log = math.log(1.2)  # chunked steps overran by 20 % (p90)
+    assert policy.prefill_limit([fresh], 1) == prefill_token_limit([10.0], 1, 4096, linear)
+    policy.controller.chunk_overrun._log = 0.0
+
+    def with_attention(tokens, passes=0, drafted=0, prefill_pairs=0.0):  # + 0.01 ms per thousand pairs
+        return linear(tokens) + 0.00001 * prefill_pairs
+
+    policy.controller.predict_step_s = with_attention
+    at_start = policy.prefill_limit([fresh], 1)
+    assert at_start == prefill_token_limit(
+        [12.0], 1, 4096, lambda t: with_attention(t, prefill_pairs=prefill_attention_pairs(0, t - 1)))
+    started = SimpleNamespace(num_cached=600, num_prompt_tokens_left=300)
+    policy.scheduler.running.append(started)
+    late = policy.prefill_limit([fresh], 1)
+    assert late == prefill_token_limit(
+        [12.0], 1, 4096, lambda t: with_attention(t, prefill_pairs=prefill_attention_pairs(600, t - 1)))
+    assert late < at_start

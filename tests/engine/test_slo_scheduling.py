@@ -15,6 +15,7 @@ from engine.request_ranges import RequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.slo import DeadlineUnattainable, SLOClass, prefill_token_limit, request_slo_met, wait_estimate_s
+from engine.spec_cost import prefill_attention_pairs
 from tests.engine.bundled import loaded_target, prompt_ids
 
 CLASSES = {"interactive": SLOClass(ttft_ms=100.0, tpot_ms=50.0), "batch": SLOClass(ttft_ms=60_000.0),
@@ -133,17 +134,24 @@ def test_request_slo_met_follows_vllm_bench_definitions():
 def engine_with_a_learned_tpot_class():
     """An engine whose cost model has seen steps of 10, 100 and 300 tokens (so it can tell token
     counts apart), with an ``interactive`` class whose TPOT budget (``tpot_ms``, returned) fits
-    ~300 tokens a step; and the prompts ``prompt_ids(30, 400)``."""
+    a step prefilling a 300-token prompt (its attention work included); and the prompts
+    ``prompt_ids(30, 400)``."""
     engine = engine_with(seqs=4, enable_chunked_prefill=True)
     p = prompt_ids(30, 400)
     for n in (10, 100, 300):
         engine.add_request(f"w{n}", p[n % 7][:n], SamplingParams(temperature=0.0, max_tokens=2))
         while engine.has_unfinished_requests():
             engine.step()
-    tpot_ms = engine.controller.predict_step_s(300) * 1e3
+    tpot_ms = _fresh_chunk_step_s(engine.controller, 0)(300) * 1e3
     engine.scheduler.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
                                               slo_classes={"interactive": SLOClass(tpot_ms=tpot_ms)})
     return engine, p, tpot_ms
+
+
+def _fresh_chunk_step_s(controller, decode_tokens: int):
+    """Predicted step seconds for a step's target tokens whose chunk starts a prompt (position 0)."""
+    return lambda tokens: controller.predict_step_s(
+        tokens, prefill_pairs=prefill_attention_pairs(0, tokens - decode_tokens))
 
 
 def test_tpot_budgets_cap_the_prefill_chunk():
@@ -160,7 +168,7 @@ def test_tpot_budgets_cap_the_prefill_chunk():
     short = engine._requests["short"][0]  # its TPOT budget already spent: no slack, the flat cap
     short.request.metrics.first_token_time_s = time.monotonic() - 39 * tpot_ms / 1e3
     limit = engine.slo.prefill_limit([short], 1)
-    assert limit == prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
+    assert limit == prefill_token_limit([tpot_ms], 1, 4096, _fresh_chunk_step_s(engine.controller, 1))
     assert limit is not None and 100 < limit < 900
     out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limit)
     assert out.chunks["long-0"] == limit and [s.seq_id for s in out.decodes] == ["short-0"]
@@ -243,7 +251,7 @@ def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={"i": SLOClass(tpot_ms=20.0)},
                                       default_slo_class="i"))
     policy = SLOPolicy(sched, controller)
-    linear = lambda tokens, passes=0, drafted=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    linear = lambda tokens, passes=0, drafted=0, prefill_pairs=0.0: 0.005 + 0.0001 * tokens  # noqa: E731
     controller.predict_step_s = linear
     fresh = SimpleNamespace(metrics=RequestMetrics(arrival_time_s=0.0))  # no first token yet: no slack
     spec = SimpleNamespace(seq_id="spec", params=SamplingParams(max_tokens=8), request=fresh, num_output_tokens=0)
@@ -272,7 +280,7 @@ def test_slack_sized_chunks_in_the_engine():
         short.request.metrics.first_token_time_s = time.monotonic() - since_first_s
         limits[name] = engine.slo.prefill_limit([short], 1)
     assert len(long) > 800 and 100 < limits["spent"] < len(long)
-    assert limits["spent"] == prefill_token_limit([tpot_ms], 1, 4096, engine.controller.predict_step_s)
+    assert limits["spent"] == prefill_token_limit([tpot_ms], 1, 4096, _fresh_chunk_step_s(engine.controller, 1))
     assert limits["ahead"] >= len(long) > limits["spent"]
     out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limits["ahead"])
     assert out.chunks["long-0"] == len(long) and [s.seq_id for s in out.decodes] == ["short-0"]

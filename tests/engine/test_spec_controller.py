@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from engine.spec_controller import SpeculationController
-from engine.spec_cost import ExpertActivation
+from engine.spec_cost import ExpertActivation, prefill_attention_pairs
 from engine.spec_settings import ControllerSettings
 
 
@@ -225,6 +225,38 @@ def test_calibration_is_measured_over_predicted_time_per_mode():
     assert ctl.calibration[True] == pytest.approx(30 / 22, rel=0.1)
     assert ctl.calibration[False] == pytest.approx(10 / 18, rel=0.1)
     assert ctl.predict_step_s(4) == pytest.approx(0.010, rel=0.15)
+
+
+def test_the_target_cost_learns_what_a_late_chunk_of_a_long_prompt_costs():
+    """A chunk's queries attend over everything before them: with the attention work a feature
+    (``prefill_pairs``), a 241-token chunk at position 659 is predicted at what it costs, not at
+    the price of the same tokens at the start of a prompt. The chunked steps' spread around their
+    (calibrated) predictions sets the chunk overrun quantile; decode-only steps do not."""
+    ctl = controller()
+
+    def target_s(tokens, pairs):  # 2 ms + 0.05 ms a token + 0.02 ms per thousand pairs
+        return 0.002 + 0.00005 * tokens + 0.00002 * pairs
+
+    rng = np.random.default_rng(4)
+    for t in range(300):
+        if t % 3:
+            ctl.observe_step(0.0, 0, 0, target_s(4, 0.0), 4, None)
+            continue
+        start, length = int(rng.integers(0, 800)), int(rng.integers(16, 256))
+        pairs = prefill_attention_pairs(start, length)
+        ctl.observe_step(0.0, 0, 0, target_s(4 + length, pairs), 4 + length, None, prefill_pairs=pairs)
+    late, early = prefill_attention_pairs(659, 241), prefill_attention_pairs(0, 241)
+    assert ctl.predict_step_s(245, prefill_pairs=late) == pytest.approx(target_s(245, late), rel=0.05)
+    assert ctl.predict_step_s(245, prefill_pairs=early) == pytest.approx(target_s(245, early), rel=0.05)
+    assert target_s(245, late) > 1.2 * target_s(245, early)
+    assert ctl.chunk_overrun.value == pytest.approx(1.0, abs=0.1)  # predictions right: nothing to add
+    for _ in range(600):  # chunked steps now vary +-15 % (lognormal) around their cost
+        ctl.observe_step(0.0, 0, 0, target_s(4, 0.0) * (1 + 0.05 * rng.standard_normal()), 4, None)
+        start, length = int(rng.integers(0, 800)), int(rng.integers(16, 256))
+        pairs = prefill_attention_pairs(start, length)
+        noisy_s = target_s(4 + length, pairs) * np.exp(0.15 * rng.standard_normal())
+        ctl.observe_step(0.0, 0, 0, noisy_s, 4 + length, None, prefill_pairs=pairs)
+    assert 1.1 < ctl.chunk_overrun.value < 1.4  # ~exp(1.28 x 0.15) = 1.21 over the mean step
 
 
 def adaptive_plan(ctl, caps, **kw):

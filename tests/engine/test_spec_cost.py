@@ -1,10 +1,17 @@
 """The speculation controller's cost pieces on their own: the online linear step-cost fit, the
-realised-goodput check (switching, explore cadence and time share) and the expert-activation meter."""
+realised-goodput check (switching, explore cadence and time share), the expert-activation meter,
+the online quantile of step overruns and the prefill attention feature."""
 
 import numpy as np
 import pytest
 
-from engine.spec_cost import ExpertActivation, OnlineLinearCost, RealisedCheck
+from engine.spec_cost import (
+    ExpertActivation,
+    LogQuantile,
+    OnlineLinearCost,
+    RealisedCheck,
+    prefill_attention_pairs,
+)
 
 
 def test_online_cost_recovers_a_linear_model_with_non_negative_coefficients():
@@ -148,3 +155,30 @@ def test_expert_activation_learns_routing_skew():
         act.observe(16, 4)
     assert act.predict(np.array([16]))[0] == pytest.approx(4, abs=0.5)
     assert act.predict(np.array([1]))[0] < 2 * 8 * 0.25
+
+
+def test_prefill_attention_pairs_counts_a_chunks_causal_query_key_pairs():
+    for start, length in ((0, 1), (0, 128), (659, 241), (37, 5)):
+        brute = sum(start + i + 1 for i in range(length))  # query i sees keys 0 .. start + i
+        assert prefill_attention_pairs(start, length) == pytest.approx(brute / 1e3)
+    assert prefill_attention_pairs(659, 241) > 2.5 * prefill_attention_pairs(0, 241)
+
+
+def test_log_quantile_settles_where_a_tenth_of_the_ratios_lie_above():
+    rng = np.random.default_rng(3)
+    sigma = 0.15
+    ratios = 1.1 * np.exp(sigma * rng.standard_normal(4000))  # predictions 10 % low, +-15 % noise
+    quantile, logs = LogQuantile(0.9), []
+    for r in ratios[:3000]:
+        quantile.observe(float(r))
+        logs.append(np.log(quantile.value))
+    true_p90 = 1.1 * np.exp(sigma * 1.2816)
+    # A constant step keeps it moving around the quantile (+4.5 % per ratio above it): on average
+    # it sits there, and at any time within ~10 %.
+    assert np.exp(np.mean(logs[1000:])) == pytest.approx(true_p90, rel=0.03)
+    assert quantile.value == pytest.approx(true_p90, rel=0.1)
+    assert 0.07 < (ratios[3000:] > np.exp(np.mean(logs[1000:]))).mean() < 0.13
+    fast = LogQuantile(0.9)  # predictions that overestimate move it below 1 (larger chunks)
+    for _ in range(300):
+        fast.observe(0.7)
+    assert 0.68 < fast.value < 0.72
