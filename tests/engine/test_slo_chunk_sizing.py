@@ -157,7 +157,8 @@ def test_a_cap_the_decode_only_step_already_exceeds_does_not_cap_the_chunk(monke
 def test_an_itl_budget_is_sized_for_the_chunked_steps_overrun_and_a_late_chunks_attention(monkeypatch):
     """Chunks sized for the predicted (mean) step put half the chunked steps over an ITL budget,
     and those few steps set the p99 ITL: the cap is divided by the chunked steps' measured /
-    predicted 90th percentile. A chunk continuing a long prompt is sized with that prompt's
+    predicted 90th percentile (the budget itself where the decodes leave no room for that margin).
+    A chunk continuing a long prompt is sized with that prompt's
     attention work (``prefill_pairs`` at its position), so it is smaller than a fresh prompt's."""
     import math
     from types import SimpleNamespace
@@ -170,6 +171,9 @@ def test_an_itl_budget_is_sized_for_the_chunked_steps_overrun_and_a_late_chunks_
     assert policy.prefill_limit([fresh], 1) == prefill_token_limit([12.0], 1, 4096, linear)
     policy.controller.chunk_overrun._log = math.log(1.2)  # chunked steps overran by 20 % (p90)
     assert policy.prefill_limit([fresh], 1) == prefill_token_limit([10.0], 1, 4096, linear)
+    # Decodes of 55 target tokens (10.5 ms) leave no room for the margin (10 ms) but do under the
+    # budget itself (12 ms): the budget caps the chunk, it is not dropped as unattainable.
+    assert policy.prefill_limit([fresh], 55) == prefill_token_limit([12.0], 55, 4096, linear) == 15
     policy.controller.chunk_overrun._log = 0.0
 
     def with_attention(tokens, passes=0, drafted=0, prefill_pairs=0.0):  # + 0.01 ms per thousand pairs
