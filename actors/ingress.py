@@ -18,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.chat_template import ChatTemplate
 from actors.config import ServeConfig
 from actors.failover import ResumableStream
 from actors.openai_protocol import (
@@ -30,6 +29,7 @@ from actors.openai_protocol import (
 )
 from actors.responses import ResponseBuilder, error_body, sse
 from actors.telemetry import RequestTelemetry
+from engine.chat_template import ChatTemplate
 from engine.loader import encode_text, max_chars_per_token
 from engine.request_ranges import check_prompt, check_prompt_chars, check_without_tokenizer
 from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
@@ -240,7 +240,8 @@ class IngressServer:
             prompt_text = req.prompt if isinstance(req.prompt, str) else None
             logprobs = req.logprobs
         else:
-            prompt_text = self.chat_template.render(req.messages)
+            with protocol_errors():
+                prompt_text = self.chat_template.render([{"role": m.role, "content": m.text()} for m in req.messages])
             logprobs = req.num_logprobs
         # The engine's own prompt rules (engine.request_ranges), answered here as 400s.
         with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):

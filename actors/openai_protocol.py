@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from engine.chat_template import message_text
 from engine.request_ranges import RequestError, check_range, check_stop, is_token_ids
 from engine.sampling_params import SamplingParams
 
@@ -214,17 +215,9 @@ class ChatMessage(msgspec.Struct):
     content: str | list[dict] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text parts are supported
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text":
-                    raise ProtocolError(f"only text content parts are supported, got type {part.get('type')!r}",
-                                        "messages")
-                if not isinstance(part.get("text"), str):
-                    raise ProtocolError("a text content part needs a string 'text'", "messages")
-                parts.append(part["text"])
-            return "".join(parts)
-        return self.content or ""
+        """The message's text (its text content parts joined); a non-text part is a 400."""
+        with protocol_errors():
+            return message_text(self.content)
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

@@ -37,8 +37,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.chat_template import ChatTemplate  # noqa: E402
-from actors.openai_protocol import ChatMessage  # noqa: E402
 from benchmarks.common import DRAFT, ROOT, TARGET, machine, save_json  # noqa: E402
 from benchmarks.serving.acceptance import SpecDecodeCounters, acceptance_metrics  # noqa: E402
 from benchmarks.serving.client import RequestOptions, RequestResult  # noqa: E402
@@ -52,6 +50,7 @@ from benchmarks.serving.runner import BenchmarkRun, gc_frozen  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine import engine as engine_module  # noqa: E402
 from engine import slo as slo_module  # noqa: E402
+from engine.chat_template import ChatTemplate  # noqa: E402
 from engine.errors import QueueFull  # noqa: E402
 from engine.slo import SLOClass  # noqa: E402
 
@@ -128,7 +127,7 @@ def make_jobs(llm: LLM, prompts: list[Prompt], offsets_s: list[float], send_clas
     template, tok = ChatTemplate(None), llm.tokenizer
     jobs = []
     for p, off in zip(prompts, offsets_s):
-        text = template.render([ChatMessage("user", p.prompt)]) if p.endpoint == "chat" else p.prompt
+        text = template.render([{"role": "user", "content": p.prompt}]) if p.endpoint == "chat" else p.prompt
         params = SamplingParams(temperature=p.temperature or 0.0, seed=p.seed, max_tokens=p.max_tokens,
                                 ignore_eos=True, slo_class=p.slo_class if send_class else None)
         jobs.append(Job(p, tok.encode(text).ids, params, off))

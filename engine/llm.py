@@ -1,13 +1,16 @@
-"""Offline batch API in vLLM's shape: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+"""Offline batch API in vLLM's shape: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and
+``LLM.chat(conversations, ...)``."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from engine.args import EngineArgs
+from engine.chat_template import ChatTemplate
 from engine.config import context_window
 from engine.engine import LLMEngine
 from engine.loader import encode_text, load_model
@@ -120,6 +123,44 @@ class LLM:
                 self.engine.abort_request(r.request_id)
             raise
         return requests
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, as vLLM's ``LLM.chat``: each is rendered with the
+        target's chat template (:class:`engine.chat_template.ChatTemplate`; the plain template when
+        the checkpoint has none), exactly as ``/v1/chat/completions`` renders it, then generated.
+
+        Args:
+            messages: one conversation ``[{"role": str, "content": str | [text parts]}, ...]`` or a
+                list of them.
+            sampling_params: one for all conversations or one per conversation.
+            chat_template: jinja2 source used instead of the checkpoint's.
+            add_generation_prompt: end each prompt with the assistant's turn opening.
+            chat_template_kwargs: further template variables.
+
+        Returns:
+            one :class:`RequestOutput` per conversation, in order (``prompt`` is the rendered text).
+
+        Raises:
+            RequestError: a malformed conversation, a template's refusal, or no tokenizer
+                (``skip_tokenizer_init``); otherwise as :meth:`generate`.
+        """
+        if self.tokenizer is None:
+            raise RequestError("chat needs a tokenizer: this LLM was built with skip_tokenizer_init", "messages")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if not all(isinstance(c, (list, tuple)) for c in conversations):
+            raise RequestError("messages must be a conversation (a list of message dicts) or a list of "
+                               "conversations", "messages")
+        template = ChatTemplate(chat_template if chat_template is not None else self.engine.target.chat_template)
+        prompts = [template.render(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add(self, prompt: object, params: SamplingParams) -> RequestOutput:
         prompt = _unwrap_prompt_dict(prompt)

@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # allow `python scripts/make_mix.py`
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from actors.chat_template import PLAIN_CHAT_TEMPLATE  # noqa: E402
+from engine.chat_template import ChatTemplate  # noqa: E402
 from scripts.make_prompts import Cut, cut_prompt, documented_functions, first_line  # noqa: E402
 from scripts.stdlib_corpus import SourceFile, list_source_files  # noqa: E402
 
@@ -111,11 +111,7 @@ def heldout_functions() -> list[Function]:
 
 def chat_text(content: str) -> str:
     """The prompt the server renders for one user message (specmoe's plain chat template)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    template = env.from_string(PLAIN_CHAT_TEMPLATE)
-    return template.render(messages=[{"role": "user", "content": content}], add_generation_prompt=True)
+    return ChatTemplate(None).render([{"role": "user", "content": content}])
 
 
 def lognormal_int(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:

@@ -1,0 +1,99 @@
+"""Chat prompts from a checkpoint's own chat template (tokenizer_config.json, as transformers reads
+it), the documented plain template when there is none, a template's refusal, and the offline
+``LLM.chat`` rendering exactly what ``/v1/chat/completions`` renders."""
+
+import json
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from actors.openai_protocol import ChatCompletionRequest, ProtocolError, decode_request, protocol_errors
+from engine import LLM, SamplingParams
+from engine.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplate
+from engine.loader import encode_text, load_tokenizer
+from engine.request_ranges import RequestError
+from tests.engine.bundled import TARGET
+
+# A ChatML-style template of the kind Qwen checkpoints ship, with a transformers-style refusal.
+CHATML = (
+    "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+
+@pytest.fixture
+def checkpoint_with_template(tmp_path) -> Path:
+    src = Path(TARGET)
+    shutil.copy(src / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    return tmp_path
+
+
+def test_the_checkpoints_template_renders_the_conversation(checkpoint_with_template):
+    tokenizer, template = load_tokenizer(checkpoint_with_template)
+    assert template == CHATML
+    prompt = ChatTemplate(template).render(MESSAGES)
+    assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+    assert tokenizer.decode(tokenizer.encode(prompt).ids) == prompt
+    assert encode_text(tokenizer, prompt) == tokenizer.encode(prompt).ids  # the special tokens too
+    assert ChatTemplate(template).render(MESSAGES, add_generation_prompt=False).endswith("hi<|im_end|>\n")
+
+
+def test_no_template_uses_the_plain_one():
+    _, template = load_tokenizer(Path(TARGET))
+    chat = ChatTemplate(template)
+    assert template is None and chat.source == PLAIN_CHAT_TEMPLATE
+    assert chat.render(MESSAGES) == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_a_template_refusal_is_a_400_naming_messages():
+    with pytest.raises(RequestError, match="chat template error") as err:
+        ChatTemplate(CHATML).render([{"role": "tool", "content": "x"}])
+    assert err.value.param == "messages"
+    with pytest.raises(ProtocolError, match="chat template error") as http:  # what the ingress answers
+        with protocol_errors():
+            ChatTemplate(CHATML).render([{"role": "tool", "content": "x"}])
+    assert (http.value.status, http.value.param) == (400, "messages")
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(TARGET)
+
+
+def test_llm_chat_generates_from_the_prompt_the_server_renders(llm):
+    body = {"messages": MESSAGES}
+    served = decode_request(msgspec.json.encode(body), ChatCompletionRequest)
+    server_prompt = ChatTemplate(None).render([{"role": m.role, "content": m.text()} for m in served.messages])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = llm.chat(MESSAGES, params)
+    (ref,) = llm.generate(server_prompt, params)
+    assert out.prompt == server_prompt == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids and len(ref.outputs[0].token_ids) == 8
+
+
+def test_llm_chat_takes_a_batch_a_template_and_its_variables(llm):
+    convs = [[{"role": "user", "content": "def f():"}], [{"role": "user", "content": "import os"}]]
+    template = "{% for m in messages %}{{ prefix }}{{ m.content }}{% endfor %}"
+    outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), chat_template=template,
+                    chat_template_kwargs={"prefix": "# "})
+    assert [o.prompt for o in outs] == ["# def f():", "# import os"]
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+
+
+@pytest.mark.parametrize(("messages", "match"), [
+    ([{"content": "no role"}], "string 'role'"),
+    (["just text"], "a list of message dicts"),
+    ([[{"role": "user", "content": "a"}], "b"], "a list of message dicts"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "got type 'image_url'"),
+])
+def test_llm_chat_refuses_a_malformed_conversation_by_name(llm, messages, match):
+    with pytest.raises(RequestError, match=match) as err:
+        llm.chat(messages)
+    assert err.value.param == "messages"
+    assert not llm.engine.has_unfinished_requests()
