@@ -152,20 +152,18 @@ class Scheduler:
         """The sequence's place in ``scheduling_policy`` order (smaller runs earlier)."""
         return self._key_of[seq.seq_id]
 
-    def prefill_tokens_ahead(self, priority: int, ttft_deadline_s: float) -> int:
-        """Prompt tokens the scheduler would prefill before a request arriving now with this
-        priority and TTFT deadline (monotonic s): every started and waiting prompt under "fcfs";
-        started ones and those of no greater priority under "priority"; under "slo" those with
-        an earlier or equal (priority, deadline)."""
+    def prompts_ahead(self, priority: int, ttft_deadline_s: float) -> list[Sequence]:
+        """Prompts the scheduler would prefill (the rest of) before a request arriving now with
+        this priority and TTFT deadline (monotonic s): every started and waiting prompt under
+        "fcfs"; started ones and those of no greater priority under "priority"; under "slo" those
+        with an earlier or equal (priority, deadline)."""
         started = [s for s in self.running if s.num_prompt_tokens_left]
         policy = self.config.scheduling_policy
         if policy == "fcfs":
-            ahead = started + self.waiting
-        elif policy == "priority":
-            ahead = started + [s for s in self.waiting if self.key_of(s)[0] <= priority]
-        else:
-            ahead = [s for s in started + self.waiting if self.key_of(s)[:2] <= (priority, ttft_deadline_s)]
-        return sum(s.num_prompt_tokens_left for s in ahead)
+            return started + self.waiting
+        if policy == "priority":
+            return started + [s for s in self.waiting if self.key_of(s)[0] <= priority]
+        return [s for s in started + self.waiting if self.key_of(s)[:2] <= (priority, ttft_deadline_s)]
 
     def prefill_budget(self, decode_tokens: int, prefill_limit: int | None) -> int:
         """Prefill tokens a step has beside decodes of ``decode_tokens`` target tokens: what they

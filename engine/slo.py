@@ -86,9 +86,10 @@ class SLOPolicy:
     def check(self, params, prompt_len: int, decodes) -> None:
         """Raise RequestError (a ValueError naming ``slo_class``) for an unknown class;
         DeadlineUnattainable when the prefill work the
-        scheduler would run before this request (``Scheduler.prefill_tokens_ahead``), its own
-        prompt included, cannot finish within the class's TTFT budget beside the running
-        ``decodes``, which leave as they finish (:meth:`prefill_phases`, :func:`wait_estimate_s`)."""
+        scheduler would run before this request (``Scheduler.prompts_ahead``), its own prompt
+        included, cannot finish within the class's TTFT budget beside the running ``decodes``,
+        which leave as they finish (:meth:`prefill_phases`, :func:`wait_estimate_s`), with each
+        prompt's attention over itself (:func:`engine.spec_cost.prefill_attention_pairs`)."""
         if params.slo_class is not None and params.slo_class not in self.config.slo_classes:
             raise RequestError(f"'slo_class' must be one of {sorted(self.config.slo_classes)}, got "
                                f"{params.slo_class!r}", param="slo_class")
@@ -96,8 +97,14 @@ class SLOPolicy:
         if not self.config.refuse_unattainable_ttft or slo is None or slo.ttft_ms is None:
             return
         deadline_s = time.monotonic() + slo.ttft_ms / 1e3
-        ahead = self.scheduler.prefill_tokens_ahead(params.priority, deadline_s) + prompt_len
-        wait_s = wait_estimate_s(ahead, self.prefill_phases(decodes), self.step_predictor())
+        ahead = self.scheduler.prompts_ahead(params.priority, deadline_s)
+        tokens = sum(s.num_prompt_tokens_left for s in ahead) + prompt_len
+        # Each prompt's causal attention over itself, however it is chunked (the cost is linear in it).
+        pairs = sum(prefill_attention_pairs(s.num_cached, s.num_prompt_tokens_left) for s in ahead)
+        pairs += prefill_attention_pairs(0, prompt_len)
+        predict = self.step_predictor()
+        attention_s = max(predict(0, pairs) - predict(0), 0.0)
+        wait_s = wait_estimate_s(tokens, self.prefill_phases(decodes), predict) + attention_s
         if wait_s * 1e3 > slo.ttft_ms:
             raise DeadlineUnattainable(
                 f"slo_class {self.config.slo_for(params.slo_class)[0]!r}: the TTFT budget of {slo.ttft_ms:g} ms "

@@ -218,6 +218,33 @@ def test_refusal_counts_only_the_prefill_work_scheduled_ahead():
     assert outcome == {"fcfs": "refused", "slo": "admitted"}
 
 
+def test_refusal_counts_each_queued_prompts_attention_over_itself():
+    """The wait before a request's first token includes the causal attention of every prompt
+    ahead and its own (quadratic in a prompt's length), not only their tokens: a budget the tokens
+    alone would meet is refused once their attention is counted."""
+    predict = lambda tokens, pairs=0.0: 0.002 + 1e-5 * tokens + 1e-3 * pairs  # noqa: E731
+    p = [ids for ids in prompt_ids(12, 200) if len(ids) == 200]
+    tokens_only_s = wait_estimate_s(500, [(float("inf"), 0, 64)], predict)  # 2 x 200 queued + 100, 64 a step
+    attention_s = 1e-3 * (2 * prefill_attention_pairs(0, 200) + prefill_attention_pairs(0, 100))
+    assert tokens_only_s == pytest.approx(0.021) and attention_s == pytest.approx(0.04525)
+    outcome = {}
+    for budget_ms in (40.0, 80.0):  # between the two estimates, and above both
+        engine = engine_with(seqs=4, refuse_unattainable_ttft=True)
+        engine.slo.step_predictor = lambda: predict
+        engine.scheduler.config = msgspec.structs.replace(
+            engine.scheduler.config, max_num_batched_tokens=64,
+            slo_classes={**CLASSES, "interactive": SLOClass(ttft_ms=budget_ms)})
+        for i in range(2):
+            engine.add_request(f"q{i}", p[i], SamplingParams(temperature=0.0, max_tokens=4, slo_class="batch"))
+        try:
+            engine.add_request("new", p[2][:100], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                 slo_class="interactive"))
+            outcome[budget_ms] = "admitted"
+        except DeadlineUnattainable as e:
+            outcome[budget_ms] = f"refused at {str(e).split('about ')[1].split(' ms')[0]} ms"
+    assert outcome == {40.0: f"refused at {1e3 * (tokens_only_s + attention_s):.0f} ms", 80.0: "admitted"}
+
+
 def test_wait_estimate_is_full_steps_then_the_remainder():
     linear = lambda tokens: 0.005 + 0.0001 * tokens  # noqa: E731
     inf = float("inf")
