@@ -150,7 +150,7 @@ class IngressServer:
 
         # skip_tokenizer_init: no tokenizer; token-id prompts only, token ids in the responses.
         self.tokenizer, template = (None, None) if config.engine.skip_tokenizer_init else load_tokenizer(Path(model_path))
-        self.chat_template = ChatTemplate(template)
+        self.chat_template = ChatTemplate.of(template)
         # A prompt too long for the window is refused before tokenising where the tokenizer allows.
         self.max_chars_per_token = None if self.tokenizer is None else max_chars_per_token(self.tokenizer)
         self._ids = itertools.count()

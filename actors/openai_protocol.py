@@ -33,6 +33,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "structured_outputs": (), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "logits_processors": ([],), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
 }
 # Definitions that a choice of "none" makes inert (OpenAI: the model calls no tool), accepted and
 # not shown to the model then, as vLLM does with --exclude-tools-when-tool-choice-none: a client
@@ -119,6 +120,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     logits_processors: Any = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED
 
     # Fields a client may send as null for "the default" (OpenAI's schema marks them nullable).

@@ -8,12 +8,17 @@ the template sees each as ``{"role", "content"}`` with the text parts joined, as
 
 from __future__ import annotations
 
+import datetime
+import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.errors import CheckpointError
 from engine.request_ranges import RequestError
 
 # Used when the checkpoint has no chat_template (e.g. the bundled code models):
@@ -22,6 +27,49 @@ PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class ChatTemplateSource:
+    """A checkpoint's chat template as transformers reads it: the jinja2 source (None: the
+    checkpoint has none) and the ``bos_token``/``eos_token`` strings its template may use."""
+
+    source: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+def read_chat_template(path: Path) -> ChatTemplateSource:
+    """The chat template of the checkpoint directory ``path``, as transformers finds it:
+    ``chat_template.jinja`` if present, else ``tokenizer_config.json``'s ``chat_template`` (a
+    string, or a list of ``{"name", "template"}`` of which the one named ``default`` is used), and
+    that file's ``bos_token``/``eos_token`` (a string or an ``{"content": str}`` added token).
+
+    Raises:
+        CheckpointError: ``tokenizer_config.json`` is not JSON, or a template list has no usable
+            entry (the file named).
+    """
+    cfg_file, jinja_file = path / "tokenizer_config.json", path / "chat_template.jinja"
+    try:
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+    source = jinja_file.read_text() if jinja_file.is_file() else cfg.get("chat_template")
+    if isinstance(source, list):  # named templates (e.g. default / tool_use)
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default") or next((t for t in named.values() if isinstance(t, str)), None)
+        if source is None:
+            raise CheckpointError(f"{cfg_file}: chat_template lists no template named 'default'")
+    return ChatTemplateSource(source, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+
+
+def _token_text(token: Any) -> str:
+    return token.get("content", "") if isinstance(token, dict) else token if isinstance(token, str) else ""
+
+
+def _raise_exception(message: str):
+    """transformers' ``raise_exception`` for templates: refuses the conversation with ``message``."""
+    raise TemplateError(message)
 
 
 def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
@@ -56,12 +104,22 @@ class ChatTemplate:
 
     def __init__(self, template: str | None, bos_token: str = "", eos_token: str = "") -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The helpers transformers gives templates (its apply_chat_template's globals).
+        env.globals.update(raise_exception=_raise_exception,
+                           strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
         self.source = template or PLAIN_CHAT_TEMPLATE
         try:
             self._template = env.from_string(self.source)
         except TemplateError as e:
             raise RequestError(f"chat template error: {e}", "chat_template") from e
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
+
+    @classmethod
+    def of(cls, checkpoint: ChatTemplateSource | None, override: str | None = None) -> ChatTemplate:
+        """The checkpoint's template (``override``: another source, with its special tokens)."""
+        checkpoint = checkpoint or ChatTemplateSource()
+        return cls(override if override is not None else checkpoint.source, checkpoint.bos_token,
+                   checkpoint.eos_token)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                **template_kwargs: Any) -> str:

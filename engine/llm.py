@@ -158,7 +158,7 @@ class LLM:
         if not all(isinstance(c, (list, tuple)) for c in conversations):
             raise RequestError("messages must be a conversation (a list of message dicts) or a list of "
                                "conversations", "messages")
-        template = ChatTemplate(chat_template if chat_template is not None else self.engine.target.chat_template)
+        template = ChatTemplate.of(self.engine.target.chat_template, chat_template)
         prompts = [template.render(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

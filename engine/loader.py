@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from engine.chat_template import ChatTemplateSource, read_chat_template
 from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig, load_model_config
 from engine.errors import CheckpointError, ConfigError
@@ -62,15 +62,15 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer | None  # None with skip_tokenizer_init: token ids in, token ids out
     reader: CheckpointReader
-    chat_template: str | None
+    chat_template: ChatTemplateSource | None  # None with skip_tokenizer_init
 
     @property
     def eos_token_id(self) -> int | None:
         return self.config.eos_token_ids[0] if self.config.eos_token_ids else None
 
 
-def load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:
-    """``tokenizer.json`` and the chat template from ``tokenizer_config.json`` if any."""
+def load_tokenizer(path: Path) -> tuple[Tokenizer, ChatTemplateSource]:
+    """``tokenizer.json`` and the checkpoint's chat template (:func:`read_chat_template`)."""
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise CheckpointError(f"{path}: no tokenizer.json (pass skip_tokenizer_init to serve token ids only)")
@@ -78,11 +78,7 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, str | None]:
         tokenizer = Tokenizer.from_file(str(tok_file))
     except Exception as e:  # tokenizers raises a bare Exception on parse errors
         raise CheckpointError(f"{tok_file}: cannot be parsed ({e})") from e
-    template = None
-    cfg = path / "tokenizer_config.json"
-    if cfg.is_file():
-        template = json.loads(cfg.read_text()).get("chat_template")
-    return tokenizer, template
+    return tokenizer, read_chat_template(path)
 
 
 def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -11,7 +11,8 @@ import pytest
 
 from actors.openai_protocol import ChatCompletionRequest, ProtocolError, decode_request, protocol_errors
 from engine import LLM, SamplingParams
-from engine.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplate
+from engine.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplate, read_chat_template
+from engine.errors import CheckpointError
 from engine.loader import encode_text, load_tokenizer
 from engine.request_ranges import RequestError
 from tests.engine.bundled import TARGET
@@ -35,19 +36,19 @@ def checkpoint_with_template(tmp_path) -> Path:
 
 def test_the_checkpoints_template_renders_the_conversation(checkpoint_with_template):
     tokenizer, template = load_tokenizer(checkpoint_with_template)
-    assert template == CHATML
-    prompt = ChatTemplate(template).render(MESSAGES)
+    assert template.source == CHATML
+    prompt = ChatTemplate.of(template).render(MESSAGES)
     assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                       "<|im_start|>assistant\n")
     assert tokenizer.decode(tokenizer.encode(prompt).ids) == prompt
     assert encode_text(tokenizer, prompt) == tokenizer.encode(prompt).ids  # the special tokens too
-    assert ChatTemplate(template).render(MESSAGES, add_generation_prompt=False).endswith("hi<|im_end|>\n")
+    assert ChatTemplate.of(template).render(MESSAGES, add_generation_prompt=False).endswith("hi<|im_end|>\n")
 
 
 def test_no_template_uses_the_plain_one():
     _, template = load_tokenizer(Path(TARGET))
-    chat = ChatTemplate(template)
-    assert template is None and chat.source == PLAIN_CHAT_TEMPLATE
+    chat = ChatTemplate.of(template)
+    assert template.source is None and chat.source == PLAIN_CHAT_TEMPLATE
     assert chat.render(MESSAGES) == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
 
 
@@ -59,6 +60,42 @@ def test_a_template_refusal_is_a_400_naming_messages():
         with protocol_errors():
             ChatTemplate(CHATML).render([{"role": "tool", "content": "x"}])
     assert (http.value.status, http.value.param) == (400, "messages")
+
+
+# Mixtral-instruct style (user/assistant turns only, the end-of-sequence token after each reply).
+INST = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+    "{% else %}{{ raise_exception('only user and assistant turns') }}{% endif %}{% endfor %}"
+)
+TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+
+
+@pytest.mark.parametrize("layout", ["string", "named list", "jinja file"])
+def test_a_checkpoints_template_comes_with_its_special_tokens_wherever_it_is_stored(tmp_path, layout):
+    cfg = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}
+    if layout == "string":
+        cfg["chat_template"] = INST
+    elif layout == "named list":
+        cfg["chat_template"] = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": INST}]
+    else:
+        cfg["chat_template"] = "an older template the .jinja file replaces"
+        (tmp_path / "chat_template.jinja").write_text(INST)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    source = read_chat_template(tmp_path)
+    assert (source.source, source.bos_token, source.eos_token) == (INST, "<s>", "</s>")
+    assert ChatTemplate.of(source).render(TURNS) == "<s>[INST] hi [/INST]hello</s>[INST] bye [/INST]"
+
+
+def test_a_templates_own_refusal_message_is_the_error():
+    with pytest.raises(RequestError, match="only user and assistant turns"):
+        ChatTemplate(INST).render([{"role": "system", "content": "x"}, *TURNS])
+
+
+def test_a_template_list_without_a_default_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "x"}]}))
+    with pytest.raises(CheckpointError, match="tokenizer_config.json: chat_template lists no template"):
+        read_chat_template(tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -143,6 +143,7 @@ def test_a_known_field_of_the_wrong_type_is_a_400_naming_it(schema, field, value
     ("structured_outputs", None, {"regex": "a+"}), ("allowed_token_ids", None, [5]), ("bad_words", [], ["def"]),
     ("truncate_prompt_tokens", None, 1), ("skip_special_tokens", True, False),
     ("spaces_between_special_tokens", True, False), ("logits_processors", [], ["m.f"]),
+    ("return_tokens_as_token_ids", False, True),
 ])
 @pytest.mark.parametrize("schema", [CompletionRequest, ChatCompletionRequest])
 def test_an_unsupported_parameter_is_refused_by_name_unless_it_asks_for_nothing(schema, field, no_op, refused):
