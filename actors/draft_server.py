@@ -215,7 +215,6 @@ class RemoteDrafter:
     def __init__(self, spec: DraftActorSpec, timeout_s: float = 10.0, graph_config=None) -> None:
         self.spec, self.timeout_s = spec, timeout_s
         self.feature_layers = spec.feature_layers  # EAGLE-3: the engine then keeps target features
-        self.ingests_prompts = spec.method == "draft"  # the actor's DraftModelDrafter takes prompt chunks
         self._shipped: dict[str, int] = {}  # feature rows each sequence's actor cache has been sent
         self._released: list[str] = []
         self.num_failures = 0

@@ -55,13 +55,11 @@ def observe_costs(controller: SpeculationController, draft_s: float, target_s: f
 
     Windows drafted ahead (pipelined) cost this step's draft phase nothing but the hop, so
     only the others count as drafted work. ``catchup_by_seq``: per sequence, the tokens the
-    drafter caught up on this step (a prompt chunk it ingested included); ``prefill_pairs``: the chunks' attention work
+    drafter caught up on this step; ``prefill_pairs``: the chunks' attention work
     (:func:`engine.spec_cost.prefill_attention_pairs`)."""
     lengths = [len(p.token_ids) for p in drafts.values()]
     drafted = [len(p.token_ids) for p in drafts.values() if not p.pipelined]
-    # Prompt chunks the drafter ingested (engine.draft_ingest) are catch-up work too.
-    catchup = sum(n for sid, n in catchup_by_seq.items() if sid not in drafts or not drafts[sid].pipelined)
+    catchup = sum(catchup_by_seq.get(sid, 0) for sid, p in drafts.items() if not p.pipelined)
     tokens = sum(sched.chunks.values()) + len(sched.decodes) + sum(lengths)
-    passes = max(drafted, default=0) or int(catchup > 0)  # an ingest-only call is one forward
-    controller.observe_step(draft_s if drafted or catchup else 0.0, passes, sum(drafted), target_s,
+    controller.observe_step(draft_s if drafted else 0.0, max(drafted, default=0), sum(drafted), target_s,
                             tokens, distinct, catchup, prefill_pairs)

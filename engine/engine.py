@@ -18,7 +18,6 @@ from collections.abc import Iterable
 
 from engine.config import context_window
 from engine.cost_feedback import build_controller, learns_costs, observe_costs, take_distinct_experts
-from engine.draft_ingest import ingest_requests
 from engine.drafters.base import Drafter, DraftProposal, DraftRequest
 from engine.drafters.eagle import FeatureHistory
 from engine.emission import emit_tokens
@@ -27,7 +26,14 @@ from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
-from engine.request_ranges import check_request
+from engine.request_ranges import (
+    check_draft_length,
+    check_n,
+    check_priority,
+    check_prompt,
+    check_stop_ids,
+    check_without_tokenizer,
+)
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
@@ -84,11 +90,7 @@ class LLMEngine:
         self.finished_by_reason: dict[str, int] = {}
         self._requests: dict[str, list[Sequence]] = {}
         self.controller = build_controller(target, drafter, speculative_policy, self.scheduler.config)
-        # Prompt chunks go to the drafter as the target prefills them (engine.draft_ingest) while
-        # speculation is on: the latest step with decodes drafted (off, or before any: caught up later).
-        self._ingests = bool(getattr(drafter, "ingests_prompts", False)) and self.controller.max_k > 0
-        self._drafting = False
-        self.slo = SLOPolicy(self.scheduler, self.controller, ingesting=self._ingesting)
+        self.slo = SLOPolicy(self.scheduler, self.controller)
         self.draft_length_counts = [0] * (MAX_SPECULATIVE_TOKENS + 1)  # decoding sequences by chosen k
         self.num_spec_off_steps = 0
         self._catchup: dict[str, int] = {}  # per sequence, tokens the drafter caught up on this step
@@ -128,8 +130,15 @@ class LLMEngine:
         """Raise what :meth:`add_request` raises, before it adds anything."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        check_request(params, prompt_token_ids, self.num_speculative_tokens, self.target.config.vocab_size,
-                      self.max_model_len, self.target.tokenizer is not None, self.scheduler.config)
+        params.validate()
+        check_draft_length(params.num_speculative_tokens, self.num_speculative_tokens)
+        vocab_size = self.target.config.vocab_size
+        check_prompt(prompt_token_ids, params.max_tokens, vocab_size, self.max_model_len)
+        check_stop_ids(params.stop_token_ids, vocab_size)
+        if self.target.tokenizer is None:
+            check_without_tokenizer(False, params.stop)
+        check_n(params.n, self.scheduler.config.max_num_seqs, self.scheduler.config.max_waiting)
+        check_priority(params.priority, self.scheduler.config.scheduling_policy)
         if not self.scheduler.can_accept(params.n):  # QueueFull: a 503 to retry, where check_n's is a 400
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")
@@ -185,7 +194,7 @@ class LLMEngine:
                 decision = self._plan(sched, pairs)
                 with self.observer.phase(PHASE_DRAFT):
                     t0 = time.perf_counter()
-                    drafts = self._propose(sched, decision)
+                    drafts = self._propose(sched.decodes, decision)
                     t1 = time.perf_counter()
                 self._verify_and_emit(sched, drafts)
                 target_s = time.perf_counter() - t1
@@ -239,20 +248,13 @@ class LLMEngine:
                                         self.slo.tpot_slack(sched.decodes), prefill_pairs)
         for k in decision.k.values():
             self.draft_length_counts[k] += 1
-        if sched.decodes:
-            self._drafting = any(decision.k.values())
-            self.num_spec_off_steps += not self._drafting
+        if sched.decodes and not any(decision.k.values()):
+            self.num_spec_off_steps += 1
         return decision
 
-    def _ingesting(self) -> bool:
-        """Whether prompt chunks go to the drafter now (:mod:`engine.draft_ingest`)."""
-        return self._ingests and self._drafting
-
-    def _propose(self, sched: SchedulerOutput, decision: Decision) -> dict[str, DraftProposal]:
-        """Draft tokens for the sequences the decision gives k > 0, and the step's prompt chunks
-        for a drafter that ingests them; no drafter call at all when there is neither (k = 0 skips
-        the drafter entirely: no call, no forward, no draft probabilities)."""
-        decodes = sched.decodes
+    def _propose(self, decodes: list[Sequence], decision: Decision) -> dict[str, DraftProposal]:
+        """Draft tokens for the sequences the decision gives k > 0; none at all otherwise (k = 0
+        skips the drafter entirely: no call, no forward, no draft probabilities)."""
         reqs = [
             DraftRequest(seq.seq_id, seq.token_ids, k, seq.params.temperature, seq.params.top_k,
                          seq.params.top_p, seq.generator,
@@ -261,18 +263,14 @@ class LLMEngine:
             for seq in decodes
             if (k := decision.k.get(seq.seq_id, 0)) > 0
         ]
-        ingests, ends = ingest_requests(sched) if sched.speculate and self._ingesting() else ([], [])
-        self._catchup = {}
-        if not reqs and not ingests:
+        if not reqs:
             return {}
+        self._catchup = {}
         for seq in decodes:
             if decision.k.get(seq.seq_id, 0) > 0:
                 self._catchup[seq.seq_id] = seq.num_tokens - seq.num_draft_seen
                 seq.num_draft_seen = seq.num_tokens
-        for seq, end in ends:
-            self._catchup[seq.seq_id] = end - seq.num_draft_seen
-            seq.num_draft_seen = end
-        drafts = {r.seq_id: p for r, p in zip(reqs, self.drafter.propose(reqs + ingests))}
+        drafts = {r.seq_id: p for r, p in zip(reqs, self.drafter.propose(reqs))}
         used = sum(p.pipelined for p in drafts.values())  # a drafter keeps a window for one proposal
         self.num_pipelined_windows["used"] += used
         self.num_pipelined_windows["discarded"] += len(self._drafting_ahead) - used

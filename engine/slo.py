@@ -73,13 +73,10 @@ class SLOPolicy:
         scheduler: the engine's scheduler; its config holds ``slo_classes``, the default class
             and the refusal switch.
         controller: the speculation controller, whose online cost model predicts step times.
-        ingesting: whether the drafter takes prompt chunks in the step that prefills them now
-            (:mod:`engine.draft_ingest`; a chunk then costs its draft prefill too); None: never.
     """
 
-    def __init__(self, scheduler, controller, ingesting: Callable[[], bool] | None = None) -> None:
+    def __init__(self, scheduler, controller) -> None:
         self.scheduler, self.controller = scheduler, controller
-        self.ingesting = ingesting or (lambda: False)
         self.counts: dict[str, list[int]] = {}  # class -> [met, finished]
 
     @property
@@ -185,13 +182,12 @@ class SLOPolicy:
 
     def step_predictor(self) -> Callable[..., float]:
         """Predicted step seconds for a number of target tokens (and, optionally, the prefill
-        chunks' attention work, :func:`engine.spec_cost.prefill_attention_pairs`, and the prompt
-        tokens the drafter ingests): the target forward and, drafting as the last step did, the
-        draft phase (learned online; 0 before any step)."""
+        chunks' attention work, :func:`engine.spec_cost.prefill_attention_pairs`): the target
+        forward and, drafting as the last step did, the draft phase (learned online; 0 before any
+        step)."""
         ks = list(self.controller.last.k.values())
         passes, drafted = max(ks, default=0), sum(ks)
-        return lambda tokens, pairs=0.0, ingested=0: self.controller.predict_step_s(
-            tokens, passes, drafted, prefill_pairs=pairs, num_ingested=ingested)
+        return lambda tokens, pairs=0.0: self.controller.predict_step_s(tokens, passes, drafted, prefill_pairs=pairs)
 
     def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
         """Prefill tokens this step may take so the running decodes keep their TPOT budgets.
@@ -246,13 +242,8 @@ class SLOPolicy:
         # The chunk's attention work, as if it continued the furthest started prompt (the largest
         # for its size: late chunks of a long prompt ran 1.8x a cost linear in tokens).
         start = max((s.num_cached for s in self.scheduler.running if s.num_prompt_tokens_left), default=0)
-        ingest = self.ingesting()  # the drafter's prefill of the chunk shares the step
-
-        def chunk_step_s(tokens: int) -> float:
-            chunk = tokens - decode_tokens
-            return predict(tokens, prefill_attention_pairs(start, chunk), chunk if ingest else 0)
-
-        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens, chunk_step_s)
+        return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
+                                   lambda tokens: predict(tokens, prefill_attention_pairs(start, tokens - decode_tokens)))
 
     def tpot_slack(self, decodes) -> dict[str, tuple[float, float]]:
         """(TPOT budget s, slack s) per decoding sequence with a TPOT budget and a first token, for

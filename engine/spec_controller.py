@@ -303,18 +303,14 @@ class SpeculationController:
         return max(0.0, float(both[0] - both[1]))
 
     def predict_step_s(self, num_target_tokens: int, passes: int = 0, num_drafted: int = 0,
-                       refresh: bool = True, prefill_pairs: float = 0.0, num_ingested: int = 0) -> float:
+                       refresh: bool = True, prefill_pairs: float = 0.0) -> float:
         """Predicted seconds of a step with this many target tokens, prefill attention work
         (``prefill_pairs``: :func:`engine.spec_cost.prefill_attention_pairs`, summed over its
-        chunks) and draft work: ``num_drafted`` tokens in ``passes`` passes, and ``num_ingested``
-        prompt tokens the drafter takes in (catch-up work, :mod:`engine.draft_ingest`); 0 before
-        any step was observed. ``refresh=False``: with the fits as last solved (a figure only
-        reported)."""
+        chunks) and draft work (0 before any step was observed); ``refresh=False``: with the fits
+        as last solved (a figure only reported)."""
         experts = self.activation.predict(num_target_tokens)
         target = self.target_cost.predict(1.0, num_target_tokens, experts, prefill_pairs, refresh=refresh)
-        draft = 0.0
-        if num_drafted or num_ingested:
-            draft = self.draft_cost.predict(1.0, max(passes, 1), num_drafted, num_ingested, refresh=refresh)
+        draft = self.draft_cost.predict(1.0, passes, num_drafted, 0.0, refresh=refresh) if num_drafted else 0.0
         return float(target + draft) * self.calibration[num_drafted > 0]
 
     def expected_tokens(self, seq_id: str, k: int) -> float:
@@ -355,7 +351,7 @@ class SpeculationController:
         # The fits as last solved: solving them for a figure that only calibrates would cost a
         # solve per step even where nothing predicts (plain decoding kept off).
         predicted = self.target_cost.predict(1.0, num_target_tokens, experts, prefill_pairs, refresh=False)
-        if num_drafted > 0 or num_catchup > 0:  # catch-up alone: prompt chunks ingested (one pass)
+        if num_drafted > 0:
             predicted += self.draft_cost.predict(1.0, passes, num_drafted, num_catchup, refresh=False)
         if predicted > 0:  # before the models learn from this step: an honest out-of-sample ratio
             mode, rate = num_drafted > 0, self.settings.calibration_rate
@@ -367,7 +363,7 @@ class SpeculationController:
         # Warm-up and probe steps exist to inform the fit (lengths the controller would not pick):
         # they count in full; its own choices are Huber-weighted against stalls.
         robust = self.last.reason not in ("warmup", "probe")
-        if num_drafted > 0 or num_catchup > 0:
+        if num_drafted > 0:
             self.draft_cost.observe([1.0, passes, num_drafted, num_catchup], draft_s, robust)
         if distinct_experts is not None:
             self.activation.observe(num_target_tokens, distinct_experts)

@@ -20,9 +20,7 @@ class DraftRequest(msgspec.Struct):
         seq_id: stable id of the sequence (keys any per-sequence drafter state).
         token_ids: every token so far, prompt then output. May be the engine's live list: read it,
             never mutate it.
-        k: the number of tokens wanted; a drafter may return fewer. 0 (sent only to a drafter
-            whose ``ingests_prompts`` is true): propose nothing, only take ``token_ids`` into
-            its cache (a prompt chunk, drafted beside the target's prefill).
+        k: the number of tokens wanted, >= 1; a drafter may return fewer.
         temperature: the request's temperature (0 = greedy).
         top_k: the request's top-k (<= 0 disables).
         top_p: the request's top-p (1 disables).
@@ -85,11 +83,6 @@ class Drafter(Protocol):
     A drafter may also have ``feature_layers: tuple[int, ...]``: the target layers whose input
     residual stream it reads (EAGLE-3); the engine then keeps those features per sequence and passes
     them in :attr:`DraftRequest.features`. Absent or empty: none are computed.
-
-    And ``ingests_prompts: bool``: it takes ``k = 0`` requests, so the engine feeds it each prompt
-    chunk in the step the target prefills it (as vLLM runs a draft model's prefill), instead of
-    the drafter catching up on the whole prompt in the sequence's first drafting step. Absent:
-    false (the drafter catches up when it first drafts).
     """
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:

@@ -49,11 +49,6 @@ class PipelinedDrafter:
         self.num_windows_prepared = 0
         self.num_windows_used = 0
 
-    @property
-    def ingests_prompts(self) -> bool:
-        """Whether k = 0 requests feed prompt chunks into the inner drafter's cache."""
-        return getattr(self.inner, "ingests_prompts", False)
-
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """Proposals for ``requests``: a window drafted ahead where it still fits, the inner
         drafter's otherwise; then drafts the next windows ahead (in the background)."""
@@ -65,7 +60,7 @@ class PipelinedDrafter:
         misses = []
         for i, r in enumerate(requests):
             hit = ahead.get(r.seq_id)
-            if hit is not None and not r.samples and 0 < r.k <= len(hit[1]) and hit[0] == r.token_ids:
+            if hit is not None and not r.samples and r.k <= len(hit[1]) and hit[0] == r.token_ids:
                 out[i] = DraftProposal(hit[1][:r.k], None, pipelined=True)
                 self.num_windows_used += 1
             else:

@@ -105,19 +105,3 @@ def test_wait_loaded_returns_once_the_draft_actor_is_constructed(fake_ray):
     _drafter(["ok"]).wait_loaded(timeout_s=1.0)
     with pytest.raises(fake_ray.exceptions.GetTimeoutError):
         _drafter(["hung"]).wait_loaded(timeout_s=0.1)
-
-
-def test_prompt_chunks_cross_to_the_draft_actor_and_fill_its_cache(fake_ray):
-    """The verifier feeds prompt chunks as k = 0 requests (engine.draft_ingest): through the
-    wire they reach the actor's draft model, whose next proposal needs no catch-up and equals a
-    local drafter's; a dead actor loses them and the sequence catches up in its first draft."""
-    prompt = list(range(5, 125))
-    expected = DraftModelDrafter(load_model(DRAFT, "float32", "cpu"), 4, None).propose(
-        [DraftRequest("p", prompt, 4)])[0].token_ids
-    for behaviours in (["ok"], ["dead", "ok"]):
-        drafter = _drafter(behaviours)
-        assert drafter.ingests_prompts
-        assert [p.token_ids for p in drafter.propose([DraftRequest("p", prompt[:64], 0)])] == [[]]
-        actor_drafter = drafter.member.handle.target.model_drafter
-        assert actor_drafter._cached.get("p") == (prompt[:64] if behaviours == ["ok"] else None)
-        assert drafter.propose([DraftRequest("p", prompt, 4)])[0].token_ids == expected

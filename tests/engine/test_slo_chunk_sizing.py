@@ -25,7 +25,7 @@ def policy_at_1000_s(monkeypatch, slo_classes: dict, **config):
     monkeypatch.setattr(slo_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
     controller = SpeculationController(max_k=4)
     controller.last = Decision(k={})
-    linear = lambda tokens, passes=0, drafted=0, prefill_pairs=0.0, num_ingested=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    linear = lambda tokens, passes=0, drafted=0, prefill_pairs=0.0: 0.005 + 0.0001 * tokens  # noqa: E731
     controller.predict_step_s = linear
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes=slo_classes, **config))
     return SLOPolicy(scheduler, controller), linear
@@ -176,7 +176,7 @@ def test_an_itl_budget_is_sized_for_the_chunked_steps_overrun_and_a_late_chunks_
     assert policy.prefill_limit([fresh], 55) == prefill_token_limit([12.0], 55, 4096, linear) == 15
     policy.controller.chunk_overrun._log = 0.0
 
-    def with_attention(tokens, passes=0, drafted=0, prefill_pairs=0.0, num_ingested=0):  # + 0.01 ms a thousand pairs
+    def with_attention(tokens, passes=0, drafted=0, prefill_pairs=0.0):  # + 0.01 ms per thousand pairs
         return linear(tokens) + 0.00001 * prefill_pairs
 
     policy.controller.predict_step_s = with_attention
@@ -189,21 +189,3 @@ def test_an_itl_budget_is_sized_for_the_chunked_steps_overrun_and_a_late_chunks_
     assert late == prefill_token_limit(
         [12.0], 1, 4096, lambda t: with_attention(t, prefill_pairs=prefill_attention_pairs(600, t - 1)))
     assert late < at_start
-
-
-def test_a_chunk_the_drafter_ingests_is_sized_with_its_draft_prefill(monkeypatch):
-    """While the drafter takes each prompt chunk in the step that prefills it
-    (engine.draft_ingest), the chunk costs its draft prefill too, so it is smaller."""
-    from types import SimpleNamespace
-
-    policy, linear = policy_at_1000_s(monkeypatch, {"i": SLOClass(tpot_ms=20.0)}, default_slo_class="i")
-
-    def with_ingest(tokens, passes=0, drafted=0, prefill_pairs=0.0, num_ingested=0):  # + 0.05 ms a token
-        return linear(tokens) + 0.00005 * num_ingested
-
-    policy.controller.predict_step_s = with_ingest
-    fresh = SimpleNamespace(seq_id="fresh", params=SamplingParams(max_tokens=12), num_output_tokens=0,
-                            request=SimpleNamespace(metrics=RequestMetrics(arrival_time_s=990.0)))
-    assert 148 <= policy.prefill_limit([fresh], 1) <= 149  # 5 + 0.1 x (1 + c) <= 20 ms
-    policy.ingesting = lambda: True
-    assert policy.prefill_limit([fresh], 1) == 99  # 5 + 0.1 x (1 + c) + 0.05 x c <= 20 ms

@@ -278,7 +278,7 @@ def test_a_speculating_decode_budgets_the_step_for_every_token_it_is_expected_to
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4096, slo_classes={"i": SLOClass(tpot_ms=20.0)},
                                       default_slo_class="i"))
     policy = SLOPolicy(sched, controller)
-    linear = lambda tokens, passes=0, drafted=0, prefill_pairs=0.0, num_ingested=0: 0.005 + 0.0001 * tokens  # noqa: E731
+    linear = lambda tokens, passes=0, drafted=0, prefill_pairs=0.0: 0.005 + 0.0001 * tokens  # noqa: E731
     controller.predict_step_s = linear
     fresh = SimpleNamespace(metrics=RequestMetrics(arrival_time_s=0.0))  # no first token yet: no slack
     spec = SimpleNamespace(seq_id="spec", params=SamplingParams(max_tokens=8), request=fresh, num_output_tokens=0)

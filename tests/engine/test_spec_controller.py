@@ -396,17 +396,3 @@ def test_an_optimised_plan_is_reused_for_the_same_batch_until_something_changes(
     ctl.plan(caps, 4)
     assert not replans(caps, 4, tpot={"s0": (0.02, 0.001)})
     assert replans(caps, 4, tpot={"s0": (0.02, -0.001)})  # s0 fell behind its budget
-
-
-def test_steps_that_only_ingest_prompt_chunks_teach_the_draft_cost_its_catch_up_rate():
-    """A step whose drafter call only took prompt chunks (engine.draft_ingest: no drafting) is
-    one draft pass over those tokens: it feeds the draft cost's catch-up term, which then prices
-    a chunk's draft prefill."""
-    ctl = controller()
-    rng = np.random.default_rng(0)
-    for _ in range(60):
-        chunk = int(rng.integers(32, 400))
-        ctl.observe_step(0.001 + 2e-5 * chunk, 1, 0, 0.004 + 1e-5 * chunk, chunk, None, num_catchup=chunk)
-        ctl.observe_step(0.0, 0, 0, 0.005, 4, None)  # plain decode steps between them
-    ingest_s = ctl.predict_step_s(300, num_ingested=300) - ctl.predict_step_s(300)
-    assert ingest_s == pytest.approx(0.001 + 2e-5 * 300, rel=0.1)
