@@ -16,6 +16,8 @@ import logging
 import time
 from collections.abc import Iterable
 
+import msgspec
+
 from engine.config import context_window
 from engine.cost_feedback import build_controller, learns_costs, observe_costs, take_distinct_experts
 from engine.drafters.base import Drafter, DraftProposal, DraftRequest
@@ -115,6 +117,8 @@ class LLMEngine:
             QueueFull: the waiting queue is full (DeadlineUnattainable: the request's TTFT budget
                 cannot be met at this load, with ``refuse_unattainable_ttft``).
         """
+        if params.max_tokens is None:  # vLLM: up to the context window
+            params = msgspec.structs.replace(params, max_tokens=max(self.max_model_len - len(prompt_token_ids), 1))
         self._check_request(request_id, prompt_token_ids, params)
         request = RequestOutput(request_id, prompt, list(prompt_token_ids), [],
                                 metrics=RequestMetrics(arrival_time_s or time.monotonic()))

@@ -183,6 +183,11 @@ class LLM:
                 bar.update(now - done)
                 done = now
 
+    def get_tokenizer(self):
+        """The target's ``tokenizers.Tokenizer`` (vLLM's ``LLM.get_tokenizer``); None with
+        ``skip_tokenizer_init``."""
+        return self.tokenizer
+
     def get_metrics(self) -> dict:
         """Engine totals (see :meth:`LLMEngine.get_metrics`)."""
         return self.engine.get_metrics()

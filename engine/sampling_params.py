@@ -24,9 +24,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     Attributes:
         n: completions per prompt, 1..8; each draws from its own generator (seed + index).
         max_tokens: output tokens at most, >= 1; the run is cut there (finish_reason "length").
+            None: up to the context window (vLLM's meaning; the engine sets it when the request
+            is added).
         temperature: in [0, 2] (OpenAI's range); 0 means greedy (argmax, ties to the lower token id).
         top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        top_k: keep the k most likely tokens; 0, -1 or None disables it.
         seed: seeds this request's own ``torch.Generator``; None draws a random seed.
         stop: up to 4 non-empty strings that end the sequence (one string: that one); the matched
             string is not part of the text unless ``include_stop_str_in_output``.
@@ -50,7 +52,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -70,6 +72,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.stop = [self.stop]
         self.stop = [] if self.stop is None else self.stop
         self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        self.top_k = 0 if self.top_k is None else self.top_k
         self.validate()
 
     @property

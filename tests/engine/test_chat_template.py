@@ -1,16 +1,14 @@
-"""Chat prompts from a checkpoint's own chat template (tokenizer_config.json, as transformers reads
-it), the documented plain template when there is none, a template's refusal, and the offline
-``LLM.chat`` rendering exactly what ``/v1/chat/completions`` renders."""
+"""Chat prompts from a checkpoint's own chat template (tokenizer_config.json or chat_template.jinja,
+as transformers reads them, with its special tokens), the documented plain template when there is
+none, and a template's refusal."""
 
 import json
 import shutil
 from pathlib import Path
 
-import msgspec
 import pytest
 
-from actors.openai_protocol import ChatCompletionRequest, ProtocolError, decode_request, protocol_errors
-from engine import LLM, SamplingParams
+from actors.openai_protocol import ProtocolError, protocol_errors
 from engine.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplate, read_chat_template
 from engine.errors import CheckpointError
 from engine.loader import encode_text, load_tokenizer
@@ -96,41 +94,3 @@ def test_a_template_list_without_a_default_is_a_checkpoint_error(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "x"}]}))
     with pytest.raises(CheckpointError, match="tokenizer_config.json: chat_template lists no template"):
         read_chat_template(tmp_path)
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(TARGET)
-
-
-def test_llm_chat_generates_from_the_prompt_the_server_renders(llm):
-    body = {"messages": MESSAGES}
-    served = decode_request(msgspec.json.encode(body), ChatCompletionRequest)
-    server_prompt = ChatTemplate(None).render([{"role": m.role, "content": m.text()} for m in served.messages])
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    (out,) = llm.chat(MESSAGES, params)
-    (ref,) = llm.generate(server_prompt, params)
-    assert out.prompt == server_prompt == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
-    assert out.outputs[0].token_ids == ref.outputs[0].token_ids and len(ref.outputs[0].token_ids) == 8
-
-
-def test_llm_chat_takes_a_batch_a_template_and_its_variables(llm):
-    convs = [[{"role": "user", "content": "def f():"}], [{"role": "user", "content": "import os"}]]
-    template = "{% for m in messages %}{{ prefix }}{{ m.content }}{% endfor %}"
-    outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), chat_template=template,
-                    chat_template_kwargs={"prefix": "# "})
-    assert [o.prompt for o in outs] == ["# def f():", "# import os"]
-    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
-
-
-@pytest.mark.parametrize(("messages", "match"), [
-    ([{"content": "no role"}], "string 'role'"),
-    (["just text"], "a list of message dicts"),
-    ([[{"role": "user", "content": "a"}], "b"], "a list of message dicts"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "got type 'image_url'"),
-])
-def test_llm_chat_refuses_a_malformed_conversation_by_name(llm, messages, match):
-    with pytest.raises(RequestError, match=match) as err:
-        llm.chat(messages)
-    assert err.value.param == "messages"
-    assert not llm.engine.has_unfinished_requests()

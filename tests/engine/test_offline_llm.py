@@ -1,0 +1,60 @@
+"""The offline API's vLLM surface beyond generate: ``LLM.chat`` rendering exactly what
+``/v1/chat/completions`` renders, ``get_tokenizer``, and ``None`` for max_tokens and top_k."""
+
+import msgspec
+import pytest
+
+from actors.openai_protocol import ChatCompletionRequest, decode_request
+from engine import LLM, SamplingParams
+from engine.chat_template import ChatTemplate
+from engine.request_ranges import RequestError
+from tests.engine.bundled import TARGET
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(TARGET)
+
+
+def test_llm_chat_generates_from_the_prompt_the_server_renders(llm):
+    body = {"messages": MESSAGES}
+    served = decode_request(msgspec.json.encode(body), ChatCompletionRequest)
+    server_prompt = ChatTemplate(None).render([{"role": m.role, "content": m.text()} for m in served.messages])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = llm.chat(MESSAGES, params)
+    (ref,) = llm.generate(server_prompt, params)
+    assert out.prompt == server_prompt == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids and len(ref.outputs[0].token_ids) == 8
+
+
+def test_llm_chat_takes_a_batch_a_template_and_its_variables(llm):
+    convs = [[{"role": "user", "content": "def f():"}], [{"role": "user", "content": "import os"}]]
+    template = "{% for m in messages %}{{ prefix }}{{ m.content }}{% endfor %}"
+    outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), chat_template=template,
+                    chat_template_kwargs={"prefix": "# "})
+    assert [o.prompt for o in outs] == ["# def f():", "# import os"]
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+
+
+@pytest.mark.parametrize(("messages", "match"), [
+    ([{"content": "no role"}], "string 'role'"),
+    (["just text"], "a list of message dicts"),
+    ([[{"role": "user", "content": "a"}], "b"], "a list of message dicts"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "got type 'image_url'"),
+])
+def test_llm_chat_refuses_a_malformed_conversation_by_name(llm, messages, match):
+    with pytest.raises(RequestError, match=match) as err:
+        llm.chat(messages)
+    assert err.value.param == "messages"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllms_none_means_up_to_the_window_and_no_top_k(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=None, top_k=None, ignore_eos=True)
+    assert params.top_k == 0 and params.max_tokens is None  # resolved per request, by its prompt
+    prompt = llm.get_tokenizer().encode("def f(x):\n").ids
+    (out,) = llm.generate([prompt], params)
+    assert len(prompt) + len(out.outputs[0].token_ids) == llm.engine.max_model_len
+    assert out.outputs[0].finish_reason == "length" and params.max_tokens is None  # the caller's object unchanged
