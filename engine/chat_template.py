@@ -42,12 +42,12 @@ class ChatTemplateSource:
 def read_chat_template(path: Path) -> ChatTemplateSource:
     """The chat template of the checkpoint directory ``path``, as transformers finds it:
     ``chat_template.jinja`` if present, else ``tokenizer_config.json``'s ``chat_template`` (a
-    string, or a list of ``{"name", "template"}`` of which the one named ``default`` is used), and
+    string, or a list of ``{"name", "template"}``: the one named ``default``, or the only one), and
     that file's ``bos_token``/``eos_token`` (a string or an ``{"content": str}`` added token).
 
     Raises:
-        CheckpointError: ``tokenizer_config.json`` is not JSON, or a template list has no usable
-            entry (the file named).
+        CheckpointError: ``tokenizer_config.json`` is not JSON, or a template list has several
+            templates and none named ``default`` (the file named).
     """
     cfg_file, jinja_file = path / "tokenizer_config.json", path / "chat_template.jinja"
     try:
@@ -57,9 +57,11 @@ def read_chat_template(path: Path) -> ChatTemplateSource:
     source = jinja_file.read_text() if jinja_file.is_file() else cfg.get("chat_template")
     if isinstance(source, list):  # named templates (e.g. default / tool_use)
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default") or next((t for t in named.values() if isinstance(t, str)), None)
-        if source is None:
-            raise CheckpointError(f"{cfg_file}: chat_template lists no template named 'default'")
+        # transformers' rule: the one named default, else the only one there is.
+        source = named.get("default") or (next(iter(named.values())) if len(named) == 1 else None)
+        if not isinstance(source, str):
+            raise CheckpointError(f"{cfg_file}: chat_template lists no template named 'default' "
+                                  f"(names: {sorted(map(str, named))})")
     return ChatTemplateSource(source, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
 
 

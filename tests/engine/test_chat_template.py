@@ -90,7 +90,11 @@ def test_a_templates_own_refusal_message_is_the_error():
         ChatTemplate(INST).render([{"role": "system", "content": "x"}, *TURNS])
 
 
-def test_a_template_list_without_a_default_is_a_checkpoint_error(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "x"}]}))
-    with pytest.raises(CheckpointError, match="tokenizer_config.json: chat_template lists no template"):
+def test_a_template_list_without_a_default_is_a_checkpoint_error_unless_it_has_one_template(tmp_path):
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"chat_template": [{"name": "rag", "template": INST}]}))
+    assert read_chat_template(tmp_path).source == INST
+    cfg.write_text(json.dumps({"chat_template": [{"name": "rag", "template": INST}, {"name": "tool_use"}]}))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config.json: chat_template lists no template named "
+                                              r"'default' \(names: \['rag', 'tool_use'\]\)"):
         read_chat_template(tmp_path)
