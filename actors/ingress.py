@@ -233,9 +233,9 @@ class IngressServer:
         if req.model is not None and req.model != self.model_name:
             raise self._unknown_model(req.model)
         if self.tokenizer is None:
-            with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):
-                check_without_tokenizer(kind == "chat" or isinstance(req.prompt, str),
-                                        [req.stop] if isinstance(req.stop, str) else req.stop or [])
+            with protocol_errors():
+                check_without_tokenizer(kind == "completion" and isinstance(req.prompt, str),
+                                        [req.stop] if isinstance(req.stop, str) else req.stop or [], kind == "chat")
         if kind == "completion":
             prompt_text = req.prompt if isinstance(req.prompt, str) else None
             logprobs = req.logprobs

@@ -153,7 +153,7 @@ class LLM:
                 (``skip_tokenizer_init``); otherwise as :meth:`generate`.
         """
         if self.tokenizer is None:
-            raise RequestError("chat needs a tokenizer: this LLM was built with skip_tokenizer_init", "messages")
+            check_without_tokenizer(False, [], chat=True)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         if not all(isinstance(c, (list, tuple)) for c in conversations):
             raise RequestError("messages must be a conversation (a list of message dicts) or a list of "

@@ -101,16 +101,21 @@ def check_stop(stop: Sequence[str]) -> None:
         raise RequestError(f"'stop' takes at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}", "stop")
 
 
-def check_without_tokenizer(text_prompt: bool, stop: Sequence[str]) -> None:
+def check_without_tokenizer(text_prompt: bool, stop: Sequence[str], chat: bool = False) -> None:
     """What an engine or server started with ``skip_tokenizer_init`` cannot do.
 
     Args:
-        text_prompt: the prompt arrived as text (or chat messages) rather than token ids.
+        text_prompt: the prompt arrived as text rather than token ids.
         stop: the request's stop strings (matching them needs detokenized text).
+        chat: the prompt is a conversation (a chat template renders text, which needs a tokenizer).
 
     Raises:
-        RequestError: ``param`` "prompt" for a text prompt, "stop" for stop strings.
+        RequestError: ``param`` "messages" for a conversation, "prompt" for a text prompt, "stop"
+            for stop strings.
     """
+    if chat:
+        raise RequestError("chat needs a tokenizer and this model was loaded with skip_tokenizer_init: send "
+                           "token ids as a completion prompt instead", "messages")
     if text_prompt:
         raise RequestError("this model was loaded with skip_tokenizer_init (no tokenizer): send the prompt as a "
                            "list of token ids", "prompt")

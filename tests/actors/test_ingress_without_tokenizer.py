@@ -79,17 +79,18 @@ def _post(app: FastAPI, *requests: tuple[str, dict]) -> list[httpx.Response]:
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/completions", {"prompt": "def f():"}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
-    ("/v1/completions", {"prompt": PROMPTS[0], "stop": "\n"}, "stop"),
+@pytest.mark.parametrize(("path", "body", "param", "says"), [
+    ("/v1/completions", {"prompt": "def f():"}, "prompt", "send the prompt as a list of token ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages",
+     "chat needs a tokenizer"),
+    ("/v1/completions", {"prompt": PROMPTS[0], "stop": "\n"}, "stop", "use 'stop_token_ids'"),
 ])
-def test_what_needs_a_tokenizer_answers_a_clear_400(app, path, body, param):
+def test_what_needs_a_tokenizer_answers_a_clear_400(app, path, body, param, says):
     [r] = _post(app, (path, {"model": "m", "max_tokens": 4, **body}))
     assert r.status_code == 400
     err = r.json()["error"]
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
-    assert "skip_tokenizer_init" in err["message"]
+    assert "skip_tokenizer_init" in err["message"] and says in err["message"]
 
 
 def test_token_id_prompts_answer_token_ids(app):

@@ -71,3 +71,10 @@ def test_text_prompts_and_stop_strings_are_refused_by_name(bare):
     with pytest.raises(RequestError, match="'stop' strings"):  # the engine API refuses them too
         llm.engine.add_request("direct", PROMPTS[0], SamplingParams(stop=["x"]))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_is_refused_by_name_without_a_tokenizer(bare):
+    llm = LLM(bare[0], skip_tokenizer_init=True)
+    with pytest.raises(RequestError, match="chat needs a tokenizer") as err:
+        llm.chat([{"role": "user", "content": "hi"}])
+    assert err.value.param == "messages" and llm.get_tokenizer() is None
