@@ -215,8 +215,6 @@ class RemoteDrafter:
     def __init__(self, spec: DraftActorSpec, timeout_s: float = 10.0, graph_config=None) -> None:
         self.spec, self.timeout_s = spec, timeout_s
         self.feature_layers = spec.feature_layers  # EAGLE-3: the engine then keeps target features
-        self.ingests_prompts = spec.method == "draft"  # a draft model caches tokens; an EAGLE head drafts from features
-        self._ingesting: ray.ObjectRef | None = None  # prompt chunks sent and not yet waited for
         self._shipped: dict[str, int] = {}  # feature rows each sequence's actor cache has been sent
         self._released: list[str] = []
         self.num_failures = 0
@@ -277,32 +275,7 @@ class RemoteDrafter:
             out.append(DraftProposal(list(w["token_ids"]), probs, w["pipelined"], w["drafting_ahead"]))
         return out
 
-    def ingest(self, requests: list[DraftRequest]) -> None:
-        """Send prompt chunks (``k = 0`` requests: :class:`engine.drafters.base.Drafter`) to the
-        draft actor without waiting, so it fills its cache while the target prefills them rather
-        than in each sequence's first drafting step. The next call to the actor waits for them
-        first, so the actor's drafter never serves two calls at once."""
-        if not self.ingests_prompts or not requests:
-            return
-        self._settle()
-        try:
-            self._ingesting = self.member.handle.propose.remote(requests_to_wire(requests), [], None)
-        except Exception as e:  # optional work: the sequences catch up when they draft
-            log.warning("prompt chunks not sent to the draft actor (%s: %s)", type(e).__name__, e)
-
-    def _settle(self) -> None:
-        """Wait for the prompt chunks sent last; a failure there costs only a catch-up later."""
-        pending, self._ingesting = self._ingesting, None
-        if pending is None:
-            return
-        try:
-            ray.get(pending, timeout=self.timeout_s)
-        except Exception as e:
-            log.warning("the draft actor did not take prompt chunks (%s: %s); it catches up when drafting",
-                        type(e).__name__, e)
-
     def _call(self, request: tuple) -> list[dict]:
-        self._settle()
         # No live graph (building, torn down, failed): execute says so and this step uses a plain call.
         result = self.graph.execute(request) if self.graph is not None else None
         if result is not None:
@@ -327,6 +300,5 @@ class RemoteDrafter:
                 log.warning("draft cache release failed (%s: %s)", type(e).__name__, e)
 
     def close(self) -> None:
-        self._ingesting = None
         if self.graph is not None:
             self.graph.close()

@@ -28,7 +28,14 @@ from engine.loader import LoadedModel
 from engine.model import ForwardBatch
 from engine.observer import PHASE_DRAFT, PHASE_TARGET, PHASE_VERIFY, NullStepObserver, StepObserver, StepStats
 from engine.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
-from engine.request_ranges import check_request
+from engine.request_ranges import (
+    check_draft_length,
+    check_n,
+    check_priority,
+    check_prompt,
+    check_stop_ids,
+    check_without_tokenizer,
+)
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
@@ -86,10 +93,6 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self.controller = build_controller(target, drafter, speculative_policy, self.scheduler.config)
         self.slo = SLOPolicy(self.scheduler, self.controller)
-        # Prompt chunks go to a drafter in another process (Drafter.ingest) while speculation is on:
-        # the latest step with decodes drafted (off, or before any: it catches up when it drafts).
-        self._ingest = drafter.ingest if getattr(drafter, "ingests_prompts", False) and self.controller.max_k else None
-        self._drafting = False
         self.draft_length_counts = [0] * (MAX_SPECULATIVE_TOKENS + 1)  # decoding sequences by chosen k
         self.num_spec_off_steps = 0
         self._catchup: dict[str, int] = {}  # per sequence, tokens the drafter caught up on this step
@@ -131,8 +134,15 @@ class LLMEngine:
         """Raise what :meth:`add_request` raises, before it adds anything."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        check_request(params, prompt_token_ids, self.num_speculative_tokens, self.target.config.vocab_size,
-                      self.max_model_len, self.target.tokenizer is not None, self.scheduler.config)
+        params.validate()
+        check_draft_length(params.num_speculative_tokens, self.num_speculative_tokens)
+        vocab_size = self.target.config.vocab_size
+        check_prompt(prompt_token_ids, params.max_tokens, vocab_size, self.max_model_len)
+        check_stop_ids(params.stop_token_ids, vocab_size)
+        if self.target.tokenizer is None:
+            check_without_tokenizer(False, params.stop)
+        check_n(params.n, self.scheduler.config.max_num_seqs, self.scheduler.config.max_waiting)
+        check_priority(params.priority, self.scheduler.config.scheduling_policy)
         if not self.scheduler.can_accept(params.n):  # QueueFull: a 503 to retry, where check_n's is a 400
             raise QueueFull(f"the server is at capacity ({self.scheduler.config.max_num_seqs} running + "
                             f"{self.scheduler.config.max_waiting} waiting sequences); retry later")
@@ -190,7 +200,6 @@ class LLMEngine:
                     t0 = time.perf_counter()
                     drafts = self._propose(sched.decodes, decision)
                     t1 = time.perf_counter()
-                self._send_prompt_chunks(sched)
                 self._verify_and_emit(sched, drafts)
                 target_s = time.perf_counter() - t1
                 fits = learns_costs(self.controller.max_k, self.scheduler.config) and self.controller.fits_last_step
@@ -243,23 +252,9 @@ class LLMEngine:
                                         self.slo.tpot_slack(sched.decodes), prefill_pairs)
         for k in decision.k.values():
             self.draft_length_counts[k] += 1
-        if sched.decodes:
-            self._drafting = any(decision.k.values())
-            self.num_spec_off_steps += not self._drafting
+        if sched.decodes and not any(decision.k.values()):
+            self.num_spec_off_steps += 1
         return decision
-
-    def _send_prompt_chunks(self, sched: SchedulerOutput) -> None:
-        """This step's prompt chunks to a drafter in another process, which takes them while the
-        target prefills them (``Drafter.ingest``), for sequences that will draft."""
-        if self._ingest is None or not self._drafting or not sched.speculate:
-            return
-        reqs = []
-        for seq in sched.prefills:
-            if seq.k > 0 and seq.params.max_tokens > 1:
-                seq.num_draft_seen = seq.num_cached + sched.chunks[seq.seq_id]
-                reqs.append(DraftRequest(seq.seq_id, seq.prompt_token_ids[:seq.num_draft_seen], 0))
-        if reqs:
-            self._ingest(reqs)
 
     def _propose(self, decodes: list[Sequence], decision: Decision) -> dict[str, DraftProposal]:
         """Draft tokens for the sequences the decision gives k > 0; none at all otherwise (k = 0

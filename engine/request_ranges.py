@@ -226,21 +226,3 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
     if priority and scheduling_policy == "fcfs":
         raise RequestError(f"'priority' {priority} needs priority scheduling; this server schedules first come, "
                            f"first served (engine.scheduler.scheduling_policy: fcfs)", param="priority")
-
-
-def check_request(params, prompt_token_ids: Sequence[int], engine_k: int, vocab_size: int, max_model_len: int,
-                  has_tokenizer: bool, scheduler_config) -> None:
-    """Every request rule an engine checks before queueing (``params``: a SamplingParams,
-    ``scheduler_config``: the engine's SchedulerConfig).
-
-    Raises:
-        RequestError: the field that breaks a rule, named (see the checks above).
-    """
-    params.validate()
-    check_draft_length(params.num_speculative_tokens, engine_k)
-    check_prompt(prompt_token_ids, params.max_tokens, vocab_size, max_model_len)
-    check_stop_ids(params.stop_token_ids, vocab_size)
-    if not has_tokenizer:
-        check_without_tokenizer(False, params.stop)
-    check_n(params.n, scheduler_config.max_num_seqs, scheduler_config.max_waiting)
-    check_priority(params.priority, scheduler_config.scheduling_policy)

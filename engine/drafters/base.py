@@ -20,9 +20,7 @@ class DraftRequest(msgspec.Struct):
         seq_id: stable id of the sequence (keys any per-sequence drafter state).
         token_ids: every token so far, prompt then output. May be the engine's live list: read it,
             never mutate it.
-        k: the number of tokens wanted; a drafter may return fewer. 0, for a drafter that keeps
-            a cache of each sequence's tokens (a draft model): propose nothing, only take
-            ``token_ids`` into the cache (a prompt chunk, see ``ingest`` below).
+        k: the number of tokens wanted, >= 1; a drafter may return fewer.
         temperature: the request's temperature (0 = greedy).
         top_k: the request's top-k (<= 0 disables).
         top_p: the request's top-p (1 disables).
@@ -85,12 +83,6 @@ class Drafter(Protocol):
     A drafter may also have ``feature_layers: tuple[int, ...]``: the target layers whose input
     residual stream it reads (EAGLE-3); the engine then keeps those features per sequence and passes
     them in :attr:`DraftRequest.features`. Absent or empty: none are computed.
-
-    And ``ingests_prompts: bool`` with ``ingest(requests: list[DraftRequest]) -> None``: a drafter
-    in another process (the draft actor) takes ``k = 0`` requests, each step's prompt chunks,
-    without the engine waiting for them, so its cache fills while the target prefills them instead
-    of in the sequence's first drafting step; its next call waits for them first. Absent or
-    false: the drafter catches up when it drafts.
     """
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:

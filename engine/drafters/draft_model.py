@@ -120,9 +120,7 @@ class DraftModelDrafter(CachedDrafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        """Draft ``request.k`` tokens for each request (batched, k forwards at most). A request with
-        ``k = 0`` only brings the cache up to its tokens (one forward shared with the others) and
-        gets an empty proposal."""
+        """Draft ``request.k`` tokens for each request (batched, k forwards at most)."""
         if not requests:
             return []
         pinned = {r.seq_id for r in requests}
@@ -137,16 +135,11 @@ class DraftModelDrafter(CachedDrafter):
             starts.append(keep)
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        # The first pass feeds every request's unseen tokens, the ingesting ones (k = 0) included:
-        # their prompt chunks share the drafting requests' forward and draft nothing.
         active = list(range(len(requests)))
-        for step in range(max(max(r.k for r in requests), 1)):
+        for step in range(max(r.k for r in requests)):
             batch = self._step_batch(active, slots, feeds, starts, self.draft.model.device)
             logits = self.draft.model.forward(batch, self.kv)  # (len(active), vocab)
-            drafting = [i for i, b in enumerate(active) if requests[b].k > step]
-            if drafting:
-                rows = logits if len(drafting) == len(active) else logits[drafting]
-                self._append_drafts(requests, rows, [active[i] for i in drafting], tokens, probs, starts, feeds)
+            self._append_drafts(requests, logits, active, tokens, probs, starts, feeds)
             active = [b for b in active if requests[b].k > step + 1]
             if not active:
                 break

@@ -105,25 +105,3 @@ def test_wait_loaded_returns_once_the_draft_actor_is_constructed(fake_ray):
     _drafter(["ok"]).wait_loaded(timeout_s=1.0)
     with pytest.raises(fake_ray.exceptions.GetTimeoutError):
         _drafter(["hung"]).wait_loaded(timeout_s=0.1)
-
-
-def test_prompt_chunks_go_to_the_draft_actor_without_waiting_and_fill_its_cache(fake_ray):
-    """The engine hands prompt chunks to the draft actor (ingest, k = 0) and goes on; the next
-    call waits for them. The actor's draft model then needs no catch-up and proposes what a local
-    drafter does; chunks a dead actor lost cost one failed step and a catch-up, no wrong token."""
-    prompt = list(range(5, 125))
-    expected = DraftModelDrafter(load_model(DRAFT, "float32", "cpu"), 4, None).propose(
-        [DraftRequest("p", prompt, 4)])[0].token_ids
-    drafter = _drafter(["ok"])
-    assert drafter.ingests_prompts
-    drafter.ingest([DraftRequest("p", prompt[:64], 0)])
-    drafter.ingest([DraftRequest("p", prompt, 0)])
-    assert drafter._ingesting is not None  # not waited for
-    actor = drafter.member.handle
-    assert drafter.propose([DraftRequest("p", prompt, 4)])[0].token_ids == expected
-    assert actor.target.model_drafter._cached["p"] == prompt + expected[:-1]
-    assert [name for name, _ in actor.calls] == ["propose"] * 3 and drafter._ingesting is None
-    dead = _drafter(["dead", "ok"])
-    dead.ingest([DraftRequest("p", prompt, 0)])
-    assert dead.propose([DraftRequest("p", prompt, 4)])[0].token_ids == []  # the failed step
-    assert dead.propose([DraftRequest("p", prompt, 4)])[0].token_ids == expected  # re-created, caught up
