@@ -75,7 +75,7 @@ def test_nesting_too_deep_for_the_decoder_is_a_400():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("temperature", None), ("temperature", "0.5"), ("max_tokens", None), ("max_tokens", 3.7), ("n", 2.0),
+    ("temperature", None), ("temperature", "0.5"), ("max_tokens", "16"), ("max_tokens", 3.7), ("n", 2.0),
     ("n", True), ("top_k", 1.5), ("seed", 1.5), ("stop_token_ids", 5), ("stop_token_ids", ["a"]),
     ("logprobs", True), ("logprobs", 2.5), ("slo_class", 5), ("ignore_eos", "no"), ("stop", [1]),
     ("priority", "high"), ("num_speculative_tokens", 4.5), ("include_stop_str_in_output", "yes"),
