@@ -12,7 +12,7 @@ from engine.drafters.base import Drafter, NoneDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import ConfigError
 from engine.field_types import check_field_types
-from engine.loader import LoadedModel, check_device_kind, load_model, resolve_dtype
+from engine.loader import LoadedModel, auto_dtype, check_device_kind, load_model, resolve_dtype
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.scheduler import SchedulerConfig
 from engine.spec_controller import SpeculativePolicy
@@ -40,7 +40,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         pipelined_drafting: with a draft model, draft each greedy sequence's next window while the
             target verifies this one, on the assumption that it is fully accepted
             (engine/drafters/pipelined.py); off by default.
-        dtype: "float32", "bfloat16" or "float16".
+        dtype: "float32", "bfloat16" or "float16"; "auto": the target checkpoint's own (vLLM's
+            default; :func:`engine.loader.auto_dtype`).
         device: torch device string, e.g. "cpu" or "cuda".
         max_model_len: context window; None uses the target's ``max_position_embeddings``.
         ngram_min_n, ngram_max_n: n-gram sizes of the prompt-lookup drafter.
@@ -76,6 +77,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if isinstance(path := getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(path))
         check_field_types(self, lambda name, message: ConfigError(f"{name}: {message}"))
+        if self.dtype == "auto":  # resolved once here, so every replica and actor loads the same one
+            self.dtype = auto_dtype(self.model)
         resolve_dtype(self.dtype)  # a bad name fails here, not in every replica that loads the model
         check_device_kind(self.device)
         if self.speculative_method is None and self.draft_model is not None:

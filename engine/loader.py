@@ -10,11 +10,23 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from engine.chat_template import ChatTemplateSource, read_chat_template
 from engine.checkpoint import CheckpointReader
-from engine.config import ModelConfig, load_model_config
+from engine.config import ModelConfig, load_model_config, read_config_json
 from engine.errors import CheckpointError, ConfigError
 from engine.model import ExpertExecutor, ExpertStore, LocalExpertExecutor, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def auto_dtype(model: str) -> str:
+    """vLLM's ``dtype="auto"``: the checkpoint's own dtype (``config.json``'s ``torch_dtype``, or
+    ``dtype`` in newer transformers) where it is one of :data:`DTYPES`, else ``"float32"``.
+
+    Raises:
+        CheckpointError: ``model`` has no readable config.json.
+    """
+    raw = read_config_json(Path(model), "a Hugging Face checkpoint directory")
+    name = raw.get("torch_dtype") or raw.get("dtype")
+    return name if name in DTYPES else "float32"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -58,3 +58,20 @@ def test_vllms_none_means_up_to_the_window_and_no_top_k(llm):
     (out,) = llm.generate([prompt], params)
     assert len(prompt) + len(out.outputs[0].token_ids) == llm.engine.max_model_len
     assert out.outputs[0].finish_reason == "length" and params.max_tokens is None  # the caller's object unchanged
+
+
+def test_dtype_auto_is_the_checkpoints_own(tmp_path):
+    import json
+    import shutil
+
+    from engine.args import EngineArgs
+    from engine.errors import ConfigError
+
+    assert EngineArgs(model=TARGET, dtype="auto").dtype == "bfloat16"  # the bundled target's config.json
+    shutil.copytree(TARGET, tmp_path / "f32", ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((tmp_path / "f32" / "config.json").read_text())
+    cfg.pop("dtype", None)
+    (tmp_path / "f32" / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float64"}))
+    assert EngineArgs(model=str(tmp_path / "f32"), dtype="auto").dtype == "float32"  # not one we run: float32
+    with pytest.raises(ConfigError, match="dtype: 'float64' is not one of"):
+        EngineArgs(model=TARGET, dtype="float64")
