@@ -77,9 +77,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if isinstance(path := getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(path))
         check_field_types(self, lambda name, message: ConfigError(f"{name}: {message}"))
-        if self.dtype == "auto":  # resolved once here, so every replica and actor loads the same one
-            self.dtype = auto_dtype(self.model)
-        resolve_dtype(self.dtype)  # a bad name fails here, not in every replica that loads the model
+        if self.dtype != "auto":  # "auto" needs the checkpoint: resolve_auto_dtype, at start-up
+            resolve_dtype(self.dtype)  # a bad name fails here, not in every replica that loads the model
         check_device_kind(self.device)
         if self.speculative_method is None and self.draft_model is not None:
             self.speculative_method = "draft"
@@ -95,10 +94,17 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError("ngram_min_n/ngram_max_n: need 1 <= ngram_min_n <= ngram_max_n")
 
+    def resolve_auto_dtype(self) -> None:
+        """``dtype="auto"`` (vLLM's default) becomes the target checkpoint's own
+        (:func:`engine.loader.auto_dtype`); called once where a start-up has the checkpoint's
+        final path, so every replica and actor loads the same dtype."""
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.model)
+
     def check_checkpoints(self, section: str = "") -> ModelConfig:
         """The named checkpoints' configs (config.json files only, no weights) against this config:
         the target's and the draft's parse, they share a vocabulary, an EAGLE-3 head fits the
-        target, ``max_model_len`` fits the target's window. A start-up calls this so a mismatch is
+        target, ``max_model_len`` fits the target's window; a ``dtype`` of "auto" is resolved. A start-up calls this so a mismatch is
         one error, not a failure in every replica that loads the models. Returns the target's
         config (for the start-up's other checks). ``section``: the field path's prefix in
         messages (``"engine."`` in a serve config).
@@ -111,6 +117,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         from engine.config import context_window
 
         target = _model_config(self.model, f"{section}model")
+        self.resolve_auto_dtype()
         context_window(self.max_model_len, target.max_position_embeddings, f"{section}max_model_len")
         if self.speculative_method == "eagle3":
             from engine.model.eagle3 import load_eagle3_config

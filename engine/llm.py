@@ -22,6 +22,7 @@ from engine.scheduler import SchedulerConfig
 
 def build_engine(args: EngineArgs) -> LLMEngine:
     """Load the target (experts in-process) and the drafter ``args`` names."""
+    args.resolve_auto_dtype()
     target = load_model(args.model, args.dtype, args.device, skip_tokenizer_init=args.skip_tokenizer_init,
                         compile=args.compile)
     max_len = context_window(args.max_model_len, target.config.max_position_embeddings)

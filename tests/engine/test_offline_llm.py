@@ -3,6 +3,7 @@
 
 import msgspec
 import pytest
+import torch
 
 from actors.openai_protocol import ChatCompletionRequest, decode_request
 from engine import LLM, SamplingParams
@@ -67,11 +68,18 @@ def test_dtype_auto_is_the_checkpoints_own(tmp_path):
     from engine.args import EngineArgs
     from engine.errors import ConfigError
 
-    assert EngineArgs(model=TARGET, dtype="auto").dtype == "bfloat16"  # the bundled target's config.json
+    args = EngineArgs(model="relative/to/another/cwd", dtype="auto")  # `serve run` converts in another cwd
+    assert args.dtype == "auto"
+    args = EngineArgs(model=TARGET, dtype="auto")
+    args.check_checkpoints()  # the start-up's check, with the final paths
+    assert args.dtype == "bfloat16"  # the bundled target's config.json
+    assert LLM(TARGET, dtype="auto").engine.target.model.dtype == torch.bfloat16
     shutil.copytree(TARGET, tmp_path / "f32", ignore=shutil.ignore_patterns("*.safetensors"))
     cfg = json.loads((tmp_path / "f32" / "config.json").read_text())
     cfg.pop("dtype", None)
     (tmp_path / "f32" / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float64"}))
-    assert EngineArgs(model=str(tmp_path / "f32"), dtype="auto").dtype == "float32"  # not one we run: float32
+    args = EngineArgs(model=str(tmp_path / "f32"), dtype="auto")
+    args.resolve_auto_dtype()
+    assert args.dtype == "float32"  # not one we run: float32
     with pytest.raises(ConfigError, match="dtype: 'float64' is not one of"):
         EngineArgs(model=TARGET, dtype="float64")
