@@ -241,7 +241,7 @@ class IngressServer:
             logprobs = req.logprobs
         else:
             with protocol_errors():
-                prompt_text = self.chat_template.render([{"role": m.role, "content": m.text()} for m in req.messages])
+                prompt_text = self.chat_template.render(req.conversation())
             logprobs = req.num_logprobs
         # The engine's own prompt rules (engine.request_ranges), answered here as 400s.
         with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):

@@ -18,7 +18,6 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from engine.chat_template import message_text
 from engine.request_ranges import RequestError, check_range, check_stop, is_token_ids
 from engine.sampling_params import SamplingParams
 
@@ -216,11 +215,6 @@ class ChatMessage(msgspec.Struct):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
-    def text(self) -> str:
-        """The message's text (its text content parts joined); a non-text part is a 400."""
-        with protocol_errors():
-            return message_text(self.content)
-
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/chat/completions``."""
@@ -259,6 +253,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict]:
+        """The messages as a chat template takes them (:meth:`engine.chat_template.ChatTemplate.render`,
+        which joins their text parts and refuses the others)."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
 
 
 def _error_param(message: str) -> str | None:

@@ -104,10 +104,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def check_checkpoints(self, section: str = "") -> ModelConfig:
         """The named checkpoints' configs (config.json files only, no weights) against this config:
         the target's and the draft's parse, they share a vocabulary, an EAGLE-3 head fits the
-        target, ``max_model_len`` fits the target's window; a ``dtype`` of "auto" is resolved. A start-up calls this so a mismatch is
-        one error, not a failure in every replica that loads the models. Returns the target's
-        config (for the start-up's other checks). ``section``: the field path's prefix in
-        messages (``"engine."`` in a serve config).
+        target, ``max_model_len`` fits the target's window; a ``dtype`` of "auto" is resolved. A
+        start-up calls this so a mismatch is one error, not a failure in every replica that loads
+        the models. Returns the target's config (for the start-up's other checks). ``section``:
+        the field path's prefix in messages (``"engine."`` in a serve config).
 
         Raises:
             CheckpointError: a missing or unparsable config.json (the file named).

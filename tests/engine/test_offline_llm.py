@@ -22,7 +22,7 @@ def llm() -> LLM:
 def test_llm_chat_generates_from_the_prompt_the_server_renders(llm):
     body = {"messages": MESSAGES}
     served = decode_request(msgspec.json.encode(body), ChatCompletionRequest)
-    server_prompt = ChatTemplate(None).render([{"role": m.role, "content": m.text()} for m in served.messages])
+    server_prompt = ChatTemplate(None).render(served.conversation())
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (out,) = llm.chat(MESSAGES, params)
     (ref,) = llm.generate(server_prompt, params)

@@ -3,8 +3,15 @@
 import msgspec
 import pytest
 
-from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
+from actors.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    decode_request,
+    protocol_errors,
+)
 from engine import SamplingParams
+from engine.chat_template import ChatTemplate
 from engine.request_ranges import RANGES, RequestError, check_prompt
 
 # (field, refused value, accepted value at the edge of the range)
@@ -216,5 +223,6 @@ def test_a_bad_content_part_says_what_is_wrong_with_it(part, message):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
     req = decode_request(msgspec.json.encode(body), ChatCompletionRequest)
     with pytest.raises(ProtocolError, match=message) as err:
-        req.messages[0].text()
+        with protocol_errors():  # as the ingress renders it
+            ChatTemplate(None).render(req.conversation())
     assert err.value.param == "messages"
