@@ -182,29 +182,51 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    """``POST /v1/completions`` (one prompt: a string or a list of token ids)."""
+    """``POST /v1/completions``: one prompt (a string or a list of token ids) or a batch of them (a
+    list of strings or of token-id lists, as OpenAI and vLLM take; :meth:`prompts`)."""
 
     # msgspec unions allow one array type: the element types are checked in validate().
     prompt: str | list
     logprobs: int | None = None
 
     def validate(self) -> None:
+        """Ranges, then the prompt's shape (each of a batch's prompts named by its position).
+
+        Raises:
+            ProtocolError: 400 naming ``prompt``, or ``prompt[i]`` for a batch's element ``i``.
+        """
         self.check_ranges()
         with protocol_errors():
             check_range("logprobs", self.logprobs)
-        if isinstance(self.prompt, list) and self.prompt and _looks_like_token_ids(self.prompt) \
-                and not is_token_ids(self.prompt):
-            raise ProtocolError("'prompt' token ids must be integers", "prompt")
-        if isinstance(self.prompt, list) and self.prompt and not is_token_ids(self.prompt):
-            if len(self.prompt) == 1:
-                self.prompt = self.prompt[0]
-            elif all(isinstance(p, (str, list)) for p in self.prompt):  # else a type error below
-                raise ProtocolError("batched prompts are not supported: send one request per prompt", "prompt")
-        # The type before emptiness: a one-element list's element may be anything ([null], [{}]).
-        if not isinstance(self.prompt, str) and not is_token_ids(self.prompt):
-            raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
-        if not self.prompt:
+        if isinstance(self.prompt, list) and not self.prompt:
             raise ProtocolError("'prompt' must not be empty", "prompt")
+        if isinstance(self.prompt, list) and _looks_like_token_ids(self.prompt) and not is_token_ids(self.prompt):
+            raise ProtocolError("'prompt' token ids must be integers", "prompt")
+        batched = isinstance(self.prompt, list) and not is_token_ids(self.prompt)
+        for i, prompt in enumerate(self.prompts()):
+            _check_prompt(prompt, f"prompt[{i}]" if batched else "prompt")
+
+    def prompts(self) -> list[str | list]:
+        """The request's prompts: ``[prompt]`` for one (a string, or a flat list of token ids),
+        else the batch's elements."""
+        if isinstance(self.prompt, str) or is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+def _check_prompt(prompt: object, param: str) -> None:
+    """One prompt: a non-empty string or a non-empty list of integer token ids.
+
+    Raises:
+        ProtocolError: 400 naming ``param`` (``prompt``, or ``prompt[i]`` in a batch).
+    """
+    if isinstance(prompt, list) and prompt and _looks_like_token_ids(prompt) and not is_token_ids(prompt):
+        raise ProtocolError(f"'{param}' token ids must be integers", param)
+    # The type before emptiness: an element may be anything ([null], [{}]).
+    if not isinstance(prompt, str) and not is_token_ids(prompt):
+        raise ProtocolError(f"'{param}' must be a string or a list of token ids", param)
+    if not prompt:
+        raise ProtocolError(f"'{param}' must not be empty", param)
 
 
 def _looks_like_token_ids(value: list) -> bool:
