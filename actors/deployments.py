@@ -33,6 +33,14 @@ class IngressDeployment:
     async def chat_completions(self, request: Request):
         return await self.server.chat_completions(request)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self.server.tokenizer_routes.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self.server.tokenizer_routes.detokenize(request)
+
     @app.get("/v1/models")
     async def models(self):
         return await self.server.models()

@@ -36,9 +36,11 @@ from actors.openai_protocol import (
     ProtocolError,
     decode_request,
     protocol_errors,
+    unknown_model,
 )
 from actors.responses import ResponseBuilder, sse
 from actors.telemetry import RequestTelemetry
+from actors.tokenizer_routes import TokenizerRoutes
 from engine.chat_template import ChatTemplate
 from engine.loader import encode_text, max_chars_per_token
 from engine.request_ranges import check_prompt, check_prompt_chars, check_without_tokenizer
@@ -93,6 +95,9 @@ class IngressServer:
         self.chat_template = ChatTemplate.of(template)
         # A prompt too long for the window is refused before tokenising where the tokenizer allows.
         self.max_chars_per_token = None if self.tokenizer is None else max_chars_per_token(self.tokenizer)
+        # POST /tokenize and /detokenize (vLLM's), with the same tokenizer and template
+        self.tokenizer_routes = TokenizerRoutes(self.model_name, self.tokenizer, self.chat_template,
+                                                self.max_model_len, self.vocab_size)
         self._ids = itertools.count()
         setup_tracing("ingress", config.tracing)
         # The engine's running/waiting gauges are the ones served (include_state_gauges=False).
@@ -117,8 +122,7 @@ class IngressServer:
         return JSONResponse(self._model_card())
 
     def _unknown_model(self, name: str) -> ProtocolError:
-        return ProtocolError(f"The model '{name}' does not exist (serving '{self.model_name}')", "model", 404,
-                             "model_not_found")
+        return unknown_model(name, self.model_name)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specmoe",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -262,11 +262,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
                 check_range("max_tokens", self.max_completion_tokens, "max_completion_tokens")
             self.max_tokens = self.max_completion_tokens  # OpenAI's newer name wins over max_tokens
         self.check_ranges()
-        if not self.messages:
-            raise ProtocolError("'messages' must not be empty", "messages")
-        for i, message in enumerate(self.messages):  # only an assistant turn may omit its content
-            if message.content is None and message.role != "assistant":
-                raise ProtocolError(f"messages[{i}] ({message.role}) has no 'content'", "messages")
+        check_messages(self.messages)
         with protocol_errors():
             check_range("top_logprobs", self.top_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
@@ -277,9 +273,36 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        """The messages as a chat template takes them (:meth:`engine.chat_template.ChatTemplate.render`,
-        which joins their text parts and refuses the others)."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        """The messages as a chat template takes them (:func:`conversation`)."""
+        return conversation(self.messages)
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """A conversation: at least one message, each with content unless it is an assistant turn.
+
+    Raises:
+        ProtocolError: 400 naming ``messages``.
+    """
+    if not messages:
+        raise ProtocolError("'messages' must not be empty", "messages")
+    for i, message in enumerate(messages):  # only an assistant turn may omit its content
+        if message.content is None and message.role != "assistant":
+            raise ProtocolError(f"messages[{i}] ({message.role}) has no 'content'", "messages")
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as a chat template takes them (:meth:`engine.chat_template.ChatTemplate.render`,
+    which joins their text parts and refuses the others)."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def unknown_model(requested: str, served: str) -> ProtocolError:
+    """404 (OpenAI's ``model_not_found``) for a ``model`` other than the served one."""
+    return ProtocolError(f"The model '{requested}' does not exist (serving '{served}')", "model", 404,
+                         "model_not_found")
+
+
+RequestT = TypeVar("RequestT", bound=msgspec.Struct)
 
 
 def _error_param(message: str) -> str | None:
@@ -292,8 +315,8 @@ def _error_param(message: str) -> str | None:
     return missing.group(1) if missing else None
 
 
-def decode_request(body: bytes, schema: type[_Sampling]) -> _Sampling:
-    """Decode + validate; raises ProtocolError (400) naming the parameter."""
+def decode_request(body: bytes, schema: type[RequestT]) -> RequestT:
+    """Decode + validate (the schema's ``validate()``); raises ProtocolError (400) naming the parameter."""
     try:
         req = msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as e:

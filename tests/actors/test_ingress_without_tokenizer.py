@@ -37,6 +37,8 @@ def app(tmp_path_factory) -> FastAPI:
     async def chat(request: Request):
         return await server.chat_completions(request)
 
+    app.post("/tokenize")(server.tokenizer_routes.tokenize)
+    app.post("/detokenize")(server.tokenizer_routes.detokenize)
     return app
 
 
@@ -76,3 +78,12 @@ def test_token_id_prompts_answer_token_ids(app):
     assert r.json()["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 8, "total_tokens": 15}
     chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want.token_ids
+
+
+@pytest.mark.parametrize(("path", "body"), [("/tokenize", {"prompt": "def f():"}), ("/detokenize", {"tokens": [5]})])
+def test_tokenize_and_detokenize_need_a_tokenizer(app, path, body):
+    [r] = _post(app, (path, {"model": "m", **body}))
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": f"{path} needs a tokenizer and this model was loaded with "
+                                            "skip_tokenizer_init", "type": "invalid_request_error", "param": None,
+                                 "code": None}
