@@ -46,8 +46,10 @@ async def first_items(streams: Sequence, deadline: float) -> list[dict]:
     try:
         await asyncio.wait(tasks)  # every one finished (each has the deadline)
     finally:
-        for task in tasks:
-            task.cancel()  # only those still waiting: the caller left
+        _settle(tasks)  # those still waiting when the caller left are cancelled
+    failed = next((task.exception() for task in tasks if task.exception() is not None), None)
+    if failed is not None:
+        raise failed
     return [task.result() for task in tasks]
 
 
@@ -74,5 +76,14 @@ async def interleave(streams: Sequence, deadline: float) -> AsyncIterator[tuple[
                 yield p, item
                 pending[asyncio.ensure_future(_next_or_end(streams[p], deadline))] = p
     finally:
-        for task in pending:
+        _settle(pending)
+
+
+def _settle(tasks) -> None:
+    """Cancel the tasks still running; mark the finished ones' exceptions as seen (asyncio logs
+    "exception was never retrieved" otherwise: a batch's failure is reported once, by its caller)."""
+    for task in tasks:
+        if not task.done():
             task.cancel()
+        elif not task.cancelled():
+            task.exception()

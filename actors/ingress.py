@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from typing import NamedTuple
 
 import msgspec
@@ -279,8 +280,9 @@ class IngressServer:
         """A non-streaming response: the whole streams, then one body (or an error)."""
         status = 200
         try:
-            async for prompt, item in interleave(streams, deadline):
-                self._absorb(builder, prompt, item, tels)
+            async with aclosing(interleave(streams, deadline)) as items:  # closed at once if this ends early
+                async for prompt, item in items:
+                    self._absorb(builder, prompt, item, tels)
             if "error" in builder.finish:
                 raise RuntimeError("the engine failed this request")
         except Exception as e:
@@ -323,9 +325,10 @@ class IngressServer:
                    deadline: float):
         status = 200
         try:
-            async for prompt, item in interleave(streams, deadline):
-                for chunk in self._absorb(builder, prompt, item, tels):
-                    yield sse(chunk)
+            async with aclosing(interleave(streams, deadline)) as items:  # closed at once if the client leaves
+                async for prompt, item in items:
+                    for chunk in self._absorb(builder, prompt, item, tels):
+                        yield sse(chunk)
             if include_usage:
                 yield sse(builder.usage_chunk())
         except Exception as e:  # mid-stream failure: tell the client in-band, then end the stream

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 
 from actors.config import ServeConfig
 from actors.ingress import IngressServer
-from actors.stream_items import error_item
+from actors.stream_items import error_item, unavailable_item
 from engine.args import EngineArgs
 from engine.llm import build_engine
 from engine.request_ranges import RequestError
@@ -139,3 +139,34 @@ def test_one_prompt_refused_by_the_verifier_fails_the_whole_request_and_cancels_
     assert r.json()["error"] == {"message": str(refusal), "type": "invalid_request_error", "param": "slo_class",
                                  "code": None}
     assert admitted.cancelled and len(verifier.calls) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_failing_mid_stream_ends_the_batch_in_band_and_cancels_the_others():
+    verifier = FakeVerifier()
+    going_on = FakeStream([{"type": "accepted"}, _step("a")], then="hang")
+    failing = FakeStream([{"type": "accepted"}, _step("b"), unavailable_item("shutting down")], delay_s=0.05)
+    verifier.streams = [going_on, failing]
+    _, app = _app(verifier)
+    r, = _post(app, {**GREEDY, "prompt": ["a", "b"], "stream": True})
+    events = _events(r.text)
+    assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events[:-2]] == [(0, "a"), (1, "b")]
+    assert events[-2]["error"] == {"message": "shutting down", "type": "server_overloaded", "param": None,
+                                   "code": 503}
+    assert events[-1] == "[DONE]" and going_on.cancelled and failing.cancelled
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_past_its_timeout_gets_504_and_every_prompt_is_cancelled():
+    verifier = FakeVerifier()
+    done = FakeStream([{"type": "accepted"}, _step("a", finish="length")])
+    stalled = FakeStream([{"type": "accepted"}, _step("b")], then="hang")
+    verifier.streams = [done, stalled]
+    config = msgspec.convert({"model_name": MODEL_NAME, "engine": {"model": TARGET, "draft_model": DRAFT},
+                              "request_timeout_s": 0.5}, ServeConfig)
+    server = IngressServer(config, verifier)
+    app = FastAPI()
+    app.post("/v1/completions")(server.completions)
+    r, = _post(app, {**GREEDY, "prompt": ["a", "b"]})
+    assert r.status_code == 504 and "request_timeout_s = 0.5 s" in r.json()["error"]["message"]
+    assert done.cancelled and stalled.cancelled
