@@ -295,39 +295,36 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
 
 API_KEY_ENV = "SPECMOE_API_KEY"  # vLLM's VLLM_API_KEY: the key when http.api_key is not set
+_Text = Annotated[str, msgspec.Meta(min_length=1)]
+_CORS_DEFAULTS = {"allowed_methods": ("*",), "allowed_headers": ("*",), "allow_credentials": False}
 
 
 class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Where Serve's HTTP proxies listen (``serve_app.py`` only; a Serve config file has its own
-    ``http_options``/``proxy_location``), and who may call the API (the ingress applies these
-    everywhere, see ``actors/http_access.py``).
+    ``http_options``/``proxy_location``), and who may call the API (``actors/http_access.py``).
 
     Attributes:
         proxy_location: Serve's ``EveryNode`` (a proxy on every node with a replica) or
             ``HeadOnly`` (several Ray nodes on one machine would all bind the same port).
-        api_key: vLLM's ``--api-key``: when set (here or in ``$SPECMOE_API_KEY``), the ``/v1``
-            routes and ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>``.
-        allowed_origins: vLLM's ``--allowed-origins``: when set, Starlette's CORSMiddleware answers
-            browsers from these origins (``["*"]``: any); None (default): no CORS headers.
-        allowed_methods, allowed_headers, allow_credentials: vLLM's ``--allowed-methods``,
-            ``--allowed-headers``, ``--allow-credentials`` (with ``allowed_origins`` only).
+        api_key: vLLM's ``--api-key`` (else ``$SPECMOE_API_KEY``). allowed_origins (None: no
+            CORS), allowed_methods, allowed_headers, allow_credentials: vLLM's CORS options.
     """
 
-    host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    host: _Text = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
-    api_key: Annotated[str, msgspec.Meta(min_length=1)] | None = None
-    allowed_origins: tuple[Annotated[str, msgspec.Meta(min_length=1)], ...] | None = None
-    allowed_methods: tuple[Annotated[str, msgspec.Meta(min_length=1)], ...] = ("*",)
-    allowed_headers: tuple[Annotated[str, msgspec.Meta(min_length=1)], ...] = ("*",)
+    api_key: _Text | None = None
+    allowed_origins: tuple[_Text, ...] | None = None
+    allowed_methods: tuple[_Text, ...] = ("*",)
+    allowed_headers: tuple[_Text, ...] = ("*",)
     allow_credentials: bool = False
 
     def __post_init__(self) -> None:
-        if self.allowed_origins is None:  # the rest of CORS means nothing without origins
-            for name, default in (("allowed_methods", ("*",)), ("allowed_headers", ("*",)),
-                                  ("allow_credentials", False)):
-                _require(getattr(self, name) == default, name, f"left at its default {default!r} unless "
-                         "allowed_origins is set (no CORS without it)", getattr(self, name))
+        """Raises ValueError for a CORS option set without ``allowed_origins`` (no CORS then)."""
+        for name, default in _CORS_DEFAULTS.items():
+            _require(self.allowed_origins is not None or getattr(self, name) == default, name,
+                     f"left at its default {default!r} unless allowed_origins is set (no CORS without it)",
+                     getattr(self, name))
 
     def resolved_api_key(self) -> str | None:
         """``api_key``, else ``$SPECMOE_API_KEY`` (empty: unset), else None (no key needed)."""
