@@ -30,7 +30,7 @@ if __name__ == "__main__":
 try:
     import msgspec
 
-    from actors.config import ServeConfig
+    from actors.config import API_KEY_ENV, ServeConfig
     from engine.config import ModelConfig
     from engine.errors import CheckpointError, ConfigError
     from engine.yaml_config import load_yaml
@@ -131,7 +131,8 @@ def ray_env(config: ServeConfig) -> dict:
     from observability import otel_env_vars
 
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **otel_env_vars()}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("SPECMOE_")})
+    # Not the API key: Ray's runtime-env agent logs a job's env_vars (start() passes it in the config).
+    env.update({k: v for k, v in os.environ.items() if k.startswith("SPECMOE_") and k != API_KEY_ENV})
     env["RAY_SERVE_PROXY_USE_GRPC"] = "1" if config.serve_transport == "grpc" else "0"
     return env
 
@@ -174,7 +175,9 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
                     http_options={"host": config.http.host, "port": config.http.port})
     except Exception as e:  # RayTaskError / ActorDiedError from the proxy
         raise proxy_start_error(config.http.host, config.http.port, e) from e
-    serve.run(bind_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    # $SPECMOE_API_KEY into the config the ingress gets (kept out of ray_env's logged runtime env)
+    http = msgspec.structs.replace(config.http, api_key=config.http.resolved_api_key())
+    serve.run(bind_app(msgspec.structs.replace(config, http=http)), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.http.host}:{config.http.port}"
     _wait_healthy(url, wait_ready_s)
     return url
@@ -186,8 +189,9 @@ def build_app(args: dict):
 
     Args:
         args: a :class:`ServeConfig` as plain data (the config file's ``applications[].args``).
-            Its ``http`` section does not apply (the Serve config's ``http_options`` do), nor do
-            the ``ingress``/``verifier`` replica settings the config file's ``deployments[]`` set.
+            Its ``http`` section's host, port and proxy location do not apply (the Serve
+            config's ``http_options`` do; its API key and CORS settings do), nor do the
+            ``ingress``/``verifier`` replica settings the config file's ``deployments[]`` set.
 
     Raises:
         ConfigError: invalid args (the message names the field path) or a missing checkpoint.
@@ -265,6 +269,10 @@ def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfi
         raw["http"]["host"] = args.host
     if args.port is not None:
         raw["http"]["port"] = args.port
+    if getattr(args, "api_key", None) is not None:
+        raw["http"]["api_key"] = args.api_key
+    if getattr(args, "allowed_origins", None) is not None:
+        raw["http"]["allowed_origins"] = args.allowed_origins
     if args.speculative_method == "none":
         raw["engine"].update(speculative_method=None, draft_model=None, num_speculative_tokens=0)
     elif args.speculative_method:
@@ -290,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/embedded.yaml", help="YAML ServeConfig")
     parser.add_argument("--host", help="override http.host")
     parser.add_argument("--port", type=int, help="override http.port")
+    parser.add_argument("--api-key", help=f"override http.api_key (else ${API_KEY_ENV}): the /v1 routes, /tokenize "
+                                          "and /detokenize then need 'Authorization: Bearer <key>'")
+    parser.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                        help="override http.allowed_origins: CORS for these origins ('*': any)")
     parser.add_argument("--speculative-method", choices=["draft", "eagle3", "ngram", "none"],
                         help="override engine.speculative_method (none: plain decoding)")
     parser.add_argument("--draft-model", help="override engine.draft_model (a draft checkpoint or an EAGLE-3 head)")
@@ -319,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"specmoe is serving {config.model_name!r} at {url}/v1")
     # Without a tokenizer (engine.skip_tokenizer_init) prompts are token ids.
     prompt = "[5, 6, 7]" if config.engine.skip_tokenizer_init else '"def fibonacci(n):"'
-    print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+    auth = " -H 'Authorization: Bearer <your API key>'" if config.http.resolved_api_key() else ""  # never the key
+    print(f"  try: curl {url}/v1/completions{auth} -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": {prompt}, \"max_tokens\": 48, "
           f"\"temperature\": 0}}'")
     try:

@@ -9,6 +9,7 @@ from fastapi import Request
 from ray import serve
 
 from actors.config import ServeConfig
+from actors.http_access import GuardedApp
 from actors.ingress import IngressServer, app
 from actors.verifier import VerifierServer
 
@@ -25,6 +26,11 @@ class IngressDeployment:
     def __init__(self, config: dict, verifier) -> None:
         self.server = IngressServer(msgspec.convert(config, ServeConfig), verifier)
 
+    def __serve_build_asgi_app__(self):
+        """Serve's hook, called in the replica after ``__init__`` and before the app serves: the
+        app inside the config's API key check and CORS (``actors/http_access.py``)."""
+        return GuardedApp(self.app, self.server.config.http)
+
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self.server.completions(request)
@@ -32,6 +38,14 @@ class IngressDeployment:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self.server.chat_completions(request)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self.server.tokenizer_routes.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self.server.tokenizer_routes.detokenize(request)
 
     @app.get("/v1/models")
     async def models(self):

@@ -12,6 +12,8 @@ import itertools
 import logging
 import time
 import uuid
+from contextlib import aclosing
+from typing import NamedTuple
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -20,18 +22,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.config import ServeConfig
 from actors.failover import ResumableStream
+from actors.fanout import first_items, interleave
+from actors.http_errors import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    RequestFailed,
+    error_response,
+    failure,
+    read_body,
+    verifier_gone,
+)
 from actors.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
     decode_request,
     protocol_errors,
+    unknown_model,
 )
-from actors.responses import ResponseBuilder, error_body, sse
+from actors.responses import ResponseBuilder, sse
 from actors.telemetry import RequestTelemetry
+from actors.tokenizer_routes import TokenizerRoutes
 from engine.chat_template import ChatTemplate
 from engine.loader import encode_text, max_chars_per_token
 from engine.request_ranges import check_prompt, check_prompt_chars, check_without_tokenizer
+from engine.sampling_params import SamplingParams
 from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
 from observability import semconv as sc
 
@@ -39,89 +53,18 @@ log = logging.getLogger(__name__)
 # No interactive docs: the API is OpenAI's, and every route answers errors in OpenAI's shape.
 app = FastAPI(title="specmoe", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing or tokenizing
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown routes (404), wrong methods (405) etc. in OpenAI's error shape."""
-    return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
-ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               503: "server_overloaded", 504: "timeout", 500: "internal_error"}
-RETRY_AFTER_S = {503: 1}  # Retry-After of a full queue or a shutting-down replica
-UNAVAILABLE_RETRY_AFTER_S = 5  # while the verifier is gone: about a replica restart
 PROBE_INTERVAL_S = 0.5  # how often a gone verifier is asked whether it is back
 # /health's wait for the verifier: a load balancer's probe gives up after a few seconds (Kubernetes'
 # default: 1 s), and a step of the embedded config lasts tens of ms, so 2 s is a hung or absent engine.
 HEALTH_TIMEOUT_S = 2.0
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           headers: dict | None = None) -> JSONResponse:
-    err_type = ERROR_TYPES.get(status, "invalid_request_error")
-    return JSONResponse(error_body(message, err_type, param, code), status_code=status, headers=headers)
-
-
-class RequestFailed(Exception):
-    """A request that cannot complete: the HTTP status and message the client gets."""
-
-    def __init__(self, status: int, message: str, retry_after_s: int | None = None, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s if retry_after_s is not None else RETRY_AFTER_S.get(status)
-
-    @classmethod
-    def from_item(cls, item: dict) -> RequestFailed:
-        """The failure a verifier's error item (``actors.stream_items``) reports."""
-        return cls(item["status"], item["message"], param=item.get("param"), code=item.get("code"))
-
-    @property
-    def headers(self) -> dict | None:
-        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
-
-    def response(self) -> JSONResponse:
-        return _error(self.status, self.message, self.param, self.code, headers=self.headers)
-
-    def chunk(self) -> dict:
-        """The in-band error of a stream whose 200 is already sent."""
-        return error_body(self.message, ERROR_TYPES.get(self.status, "internal_error"), self.param, self.status)
-
-
-def _verifier_gone(e: BaseException) -> bool:
-    """The verifier replica died or cannot be reached (not a bug in a request)."""
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
-
-    return isinstance(e, (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError))
-
-
-def _failure(e: BaseException, timeout_s: float) -> RequestFailed:
-    if isinstance(e, RequestFailed):
-        return e
-    if isinstance(e, asyncio.TimeoutError):
-        return RequestFailed(504, f"the request did not finish within request_timeout_s = {timeout_s:g} s")
-    if _verifier_gone(e):
-        return RequestFailed(503, f"the model server is unavailable ({type(e).__name__}); retry shortly",
-                             UNAVAILABLE_RETRY_AFTER_S)
-    return RequestFailed(500, f"internal error: {type(e).__name__}")
-
-
-async def _read_body(request: Request) -> bytes:
-    """The request body, refused (413) once it is known to exceed :data:`MAX_BODY_BYTES`: from
-    its ``Content-Length`` before reading, else while it streams in (nothing larger is kept)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ProtocolError(f"request body of {declared} bytes exceeds {MAX_BODY_BYTES} bytes", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ProtocolError(f"request body of more than {MAX_BODY_BYTES} bytes", status=413)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class IngressServer:
@@ -153,6 +96,9 @@ class IngressServer:
         self.chat_template = ChatTemplate.of(template)
         # A prompt too long for the window is refused before tokenising where the tokenizer allows.
         self.max_chars_per_token = None if self.tokenizer is None else max_chars_per_token(self.tokenizer)
+        # POST /tokenize and /detokenize (vLLM's), with the same tokenizer and template
+        self.tokenizer_routes = TokenizerRoutes(self.model_name, self.tokenizer, self.chat_template,
+                                                self.max_model_len, self.vocab_size)
         self._ids = itertools.count()
         setup_tracing("ingress", config.tracing)
         # The engine's running/waiting gauges are the ones served (include_state_gauges=False).
@@ -173,12 +119,11 @@ class IngressServer:
         """``GET /v1/models/{model}``: the served model's card, or 404 in OpenAI's shape."""
         if model_id != self.model_name:
             e = self._unknown_model(model_id)
-            return _error(e.status, str(e), e.param, e.code)
+            return error_response(e.status, str(e), e.param, e.code)
         return JSONResponse(self._model_card())
 
     def _unknown_model(self, name: str) -> ProtocolError:
-        return ProtocolError(f"The model '{name}' does not exist (serving '{self.model_name}')", "model", 404,
-                             "model_not_found")
+        return unknown_model(name, self.model_name)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specmoe",
@@ -189,14 +134,14 @@ class IngressServer:
         otherwise (still starting: the handle would queue the call until a replica is up; restarting;
         or a hung engine step), never a wait as long as a start may take."""
         if self._probe is not None:
-            return _error(503, "verifier unavailable (restarting)", headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
+            return error_response(503, "verifier unavailable (restarting)", headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
         try:
             await asyncio.wait_for(self.verifier.stats.remote(), HEALTH_TIMEOUT_S)
         except TimeoutError:
-            return _error(503, f"verifier not answering within {HEALTH_TIMEOUT_S:g} s (starting, or a step hung)",
+            return error_response(503, f"verifier not answering within {HEALTH_TIMEOUT_S:g} s (starting, or a step hung)",
                           headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
         except Exception as e:
-            return _error(503, f"verifier unavailable: {type(e).__name__}: {e}")
+            return error_response(503, f"verifier unavailable: {type(e).__name__}: {e}")
         return Response(status_code=200)
 
     def _verifier_lost(self) -> None:
@@ -227,34 +172,61 @@ class IngressServer:
         return Response(render(*parts), media_type=CONTENT_TYPE)
 
     # ----------------------------------------------------------------- handling
-    def _prepare(self, body: bytes, kind: str):
+    def _prepare(self, body: bytes, kind: str) -> tuple[CompletionRequest | ChatCompletionRequest, list[Prompt]]:
+        """The request and its prompts (one per engine request: a completion's batch has several).
+
+        Raises:
+            ProtocolError: the request or one of its prompts is invalid (before anything is
+                submitted); a batch's prompt ``i`` is named ``prompt[i]``.
+        """
         schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
         req = decode_request(body, schema)
         if req.model is not None and req.model != self.model_name:
             raise self._unknown_model(req.model)
         if self.tokenizer is None:
             with protocol_errors():
-                check_without_tokenizer(kind == "completion" and isinstance(req.prompt, str),
+                check_without_tokenizer(kind == "completion" and any(isinstance(p, str) for p in req.prompts()),
                                         [req.stop] if isinstance(req.stop, str) else req.stop or [], kind == "chat")
-        if kind == "completion":
-            prompt_text = req.prompt if isinstance(req.prompt, str) else None
-            logprobs = req.logprobs
-        else:
+        if kind == "chat":
             with protocol_errors():
                 prompt_text = self.chat_template.render(req.conversation())
-            logprobs = req.num_logprobs
-        # The engine's own prompt rules (engine.request_ranges), answered here as 400s.
-        with protocol_errors(None if kind == "completion" else {"prompt": "messages"}):
-            if prompt_text is not None:
-                check_prompt_chars(len(prompt_text), self.max_chars_per_token, self.max_model_len)
-            ids = encode_text(self.tokenizer, prompt_text) if prompt_text is not None else list(req.prompt)
-            check_prompt(ids, None, self.vocab_size, self.max_model_len)
-            max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion"
-                                            else self.max_model_len - len(ids))
-            check_prompt(ids, max_tokens, self.vocab_size, self.max_model_len, not req.max_tokens)
+            return req, [self._prompt(req, prompt_text, req.num_logprobs, "messages")]
+        prompts = req.prompts()
+        if len(prompts) == 1:
+            return req, [self._prompt(req, prompts[0], req.logprobs)]
+        return req, [self._prompt(req, prompt, req.logprobs, f"prompt[{i}]") for i, prompt in enumerate(prompts)]
+
+    def _prompt(self, req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int], logprobs: int | None,
+                param: str = "prompt") -> Prompt:
+        """One prompt's token ids and sampling parameters, checked by the engine's own prompt rules
+        (``engine.request_ranges``).
+
+        Args:
+            param: what the prompt is called in errors: ``prompt``, ``messages`` (a chat's
+                rendered conversation) or ``prompt[i]`` (a batch's prompt ``i``, also named at
+                the start of the message, since an error about it may name ``max_tokens``).
+
+        Raises:
+            ProtocolError: 400 for a prompt too long or out of the vocabulary, or an invalid
+                sampling parameter.
+        """
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            with protocol_errors({"prompt": param}):
+                if text is not None:
+                    check_prompt_chars(len(text), self.max_chars_per_token, self.max_model_len)
+                ids = encode_text(self.tokenizer, text) if text is not None else list(prompt)
+                check_prompt(ids, None, self.vocab_size, self.max_model_len)
+                max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if isinstance(req, CompletionRequest)
+                                                else self.max_model_len - len(ids))
+                check_prompt(ids, max_tokens, self.vocab_size, self.max_model_len, not req.max_tokens)
+        except ProtocolError as e:
+            if not param.startswith("prompt["):
+                raise
+            raise ProtocolError(f"{param}: {e}", e.param, e.status, e.code) from e
         with protocol_errors():
             params = req.sampling_params(max_tokens, logprobs)
-        return req, ids, prompt_text, params, logprobs is not None
+        return Prompt(ids, text, params)
 
     async def _handle(self, request: Request, kind: str) -> Response:
         route = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
@@ -264,45 +236,53 @@ class IngressServer:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
-            body = await _read_body(request)
+            body = await read_body(request)
             # Tokenizing a long prompt is CPU work: off the event loop, so other requests keep flowing.
-            req, ids, prompt_text, params, want_lp = await asyncio.to_thread(self._prepare, body, kind)
+            req, prompts = await asyncio.to_thread(self._prepare, body, kind)
         except ProtocolError as e:
             tel.finish(e.status, rid)
-            return _error(e.status, str(e), e.param, e.code)
-        tel.trace.request(sc.gen_ai_request_attributes(op, self.model_name, max_tokens=params.max_tokens,
-                                                       temperature=params.temperature, top_p=params.top_p,
-                                                       seed=params.seed))
+            return error_response(e.status, str(e), e.param, e.code)
+        # One telemetry per prompt (each is an engine request), all in this request's HTTP span.
+        tels = Telemetries([tel] + [tel.for_another_prompt() for _ in prompts[1:]], rid)
+        params = prompts[0].params
+        for t in tels:
+            t.trace.request(sc.gen_ai_request_attributes(op, self.model_name, max_tokens=params.max_tokens,
+                                                         temperature=params.temperature, top_p=params.top_p,
+                                                         seed=params.seed))
         if self._probe is not None:
             failed = RequestFailed(503, "the model server is restarting; retry shortly", UNAVAILABLE_RETRY_AFTER_S)
-            tel.finish(503, rid)
+            tels.finish(503)
             return failed.response()
         deadline = tel_start_s + self.config.request_timeout_s
-        stream = self._submit(ids, params, prompt_text, rid, tel.trace.carrier(), req.stream)
-        try:
-            first = await self._next(stream, deadline)
-            if first["type"] == "error":
-                raise RequestFailed.from_item(first)
-        except asyncio.CancelledError:  # the client left before the first item
-            stream.cancel()
+        # A batch's prompts are engine requests of their own: request ids unique per prompt.
+        streams = [self._submit(p, rid if len(prompts) == 1 else f"{rid}-{i}", t.trace.carrier(), req.stream)
+                   for i, (p, t) in enumerate(zip(prompts, tels))]
+        try:  # every prompt admitted (or the whole request refused) before anything is sent
+            for first in await first_items(streams, deadline):
+                if first["type"] == "error":
+                    raise RequestFailed.from_item(first)
+        except asyncio.CancelledError:  # the client left before the first items
+            _cancel(streams)
             raise
         except Exception as e:
-            stream.cancel()
+            _cancel(streams)
             failed = self._failed(e, rid)
-            tel.finish(failed.status, rid)
+            tels.finish(failed.status)
             return failed.response()
-        builder = ResponseBuilder(kind, self.model_name, rid, params.n, self.tokenizer, want_lp)
+        builder = ResponseBuilder(kind, self.model_name, rid, params.n, self.tokenizer, params.logprobs is not None,
+                                  num_prompts=len(prompts))
         if req.stream:
-            return StreamingResponse(self._sse(stream, builder, req.include_usage, tel, deadline),
+            return StreamingResponse(self._sse(streams, builder, req.include_usage, tels, deadline),
                                      media_type="text/event-stream")
-        return await self._whole(stream, builder, tel, deadline)
+        return await self._whole(streams, builder, tels, deadline)
 
-    async def _whole(self, stream, builder: ResponseBuilder, tel: RequestTelemetry, deadline: float) -> Response:
-        """A non-streaming response: the whole stream, then one body (or an error)."""
+    async def _whole(self, streams: list, builder: ResponseBuilder, tels: Telemetries, deadline: float) -> Response:
+        """A non-streaming response: the whole streams, then one body (or an error)."""
         status = 200
         try:
-            async for item in self._items(stream, deadline):
-                self._absorb(builder, item, tel)
+            async with aclosing(interleave(streams, deadline)) as items:  # closed at once if this ends early
+                async for prompt, item in items:
+                    self._absorb(builder, prompt, item, tels)
             if "error" in builder.finish:
                 raise RuntimeError("the engine failed this request")
         except Exception as e:
@@ -310,63 +290,45 @@ class IngressServer:
             status = failed.status
             return failed.response()
         finally:
-            stream.cancel()  # done, failed or timed out: the verifier aborts an unfinished request
-            tel.finish(status, builder.id)
+            _cancel(streams)  # done, failed or timed out: the verifier aborts an unfinished request
+            tels.finish(status)
         return JSONResponse(builder.final())
 
-    def _submit(self, ids: list[int], params, prompt_text: str | None, rid: str, carrier: dict | None,
-                stream: bool):
-        """The request's verifier stream; it fails over to another verifier replica when its own
+    def _submit(self, prompt: Prompt, rid: str, carrier: dict | None, stream: bool) -> ResumableStream:
+        """The prompt's verifier stream; it fails over to another verifier replica when its own
         dies (``actors/failover.py``). A request the client does not stream gets its first tokens
         and then the rest in one item (``stream=False``, see ``EngineLoop.generate``)."""
         def submit(prompt_ids: list[int], wire_params: dict):
-            text = prompt_text if len(prompt_ids) == len(ids) else None  # a resubmission has no prompt text
+            # a resubmission has no prompt text
+            text = prompt.text if len(prompt_ids) == len(prompt.ids) else None
             return self._verifier_stream.generate.remote(prompt_ids, wire_params, text, rid, carrier, stream)
 
-        return ResumableStream(submit, ids, msgspec.to_builtins(params), _verifier_gone)
+        return ResumableStream(submit, prompt.ids, msgspec.to_builtins(prompt.params), verifier_gone)
 
     def _failed(self, e: BaseException, rid: str) -> RequestFailed:
-        failed = _failure(e, self.config.request_timeout_s)
+        failed = failure(e, self.config.request_timeout_s)
         if failed.status == 500:
             log.error("request %s failed", rid, exc_info=e)
-        elif _verifier_gone(e):
+        elif verifier_gone(e):
             self._verifier_lost()
         return failed
 
     @staticmethod
-    async def _next(stream, deadline: float) -> dict:
-        """The stream's next item before ``deadline`` (monotonic s); StopAsyncIteration at its end.
-
-        Raises:
-            asyncio.TimeoutError: the deadline passed first.
-        """
-        remaining_s = deadline - time.monotonic()
-        if remaining_s <= 0:
-            raise asyncio.TimeoutError
-        return await asyncio.wait_for(stream.__anext__(), remaining_s)
-
-    async def _items(self, stream, deadline: float):
-        while True:
-            try:
-                item = await self._next(stream, deadline)
-            except StopAsyncIteration:
-                return
-            yield item
-
-    def _absorb(self, builder: ResponseBuilder, item: dict, tel: RequestTelemetry) -> list[dict]:
+    def _absorb(builder: ResponseBuilder, prompt: int, item: dict, tels: Telemetries) -> list[dict]:
         if item["type"] == "error":
             raise RequestFailed.from_item(item)
-        chunks = builder.add(item)
-        tel.on_item(item)
+        chunks = builder.add(item, prompt)
+        tels[prompt].on_item(item)
         return chunks
 
-    async def _sse(self, stream, builder: ResponseBuilder, include_usage: bool, tel: RequestTelemetry,
+    async def _sse(self, streams: list, builder: ResponseBuilder, include_usage: bool, tels: Telemetries,
                    deadline: float):
         status = 200
         try:
-            async for item in self._items(stream, deadline):
-                for chunk in self._absorb(builder, item, tel):
-                    yield sse(chunk)
+            async with aclosing(interleave(streams, deadline)) as items:  # closed at once if the client leaves
+                async for prompt, item in items:
+                    for chunk in self._absorb(builder, prompt, item, tels):
+                        yield sse(chunk)
             if include_usage:
                 yield sse(builder.usage_chunk())
         except Exception as e:  # mid-stream failure: tell the client in-band, then end the stream
@@ -374,6 +336,33 @@ class IngressServer:
             status = failed.status
             yield sse(failed.chunk())
         finally:
-            stream.cancel()  # client gone, done or timed out: the verifier aborts an unfinished request
-            tel.finish(status, builder.id)
+            _cancel(streams)  # client gone, done or timed out: the verifier aborts an unfinished request
+            tels.finish(status)
         yield sse("[DONE]")
+
+
+class Prompt(NamedTuple):
+    """One engine request of an HTTP request: its prompt's token ids and text (None for token ids)
+    and its sampling parameters."""
+
+    ids: list[int]
+    text: str | None
+    params: SamplingParams
+
+
+class Telemetries(list):
+    """The :class:`RequestTelemetry` of each prompt of one HTTP request (the first one owns the
+    HTTP span, so it is finished last)."""
+
+    def __init__(self, tels: list[RequestTelemetry], response_id: str) -> None:
+        super().__init__(tels)
+        self.response_id = response_id
+
+    def finish(self, status: int) -> None:
+        for tel in reversed(self):
+            tel.finish(status, self.response_id)
+
+
+def _cancel(streams: list) -> None:
+    for stream in streams:
+        stream.cancel()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -182,29 +182,51 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    """``POST /v1/completions`` (one prompt: a string or a list of token ids)."""
+    """``POST /v1/completions``: one prompt (a string or a list of token ids) or a batch of them (a
+    list of strings or of token-id lists, as OpenAI and vLLM take; :meth:`prompts`)."""
 
     # msgspec unions allow one array type: the element types are checked in validate().
     prompt: str | list
     logprobs: int | None = None
 
     def validate(self) -> None:
+        """Ranges, then the prompt's shape (each of a batch's prompts named by its position).
+
+        Raises:
+            ProtocolError: 400 naming ``prompt``, or ``prompt[i]`` for a batch's element ``i``.
+        """
         self.check_ranges()
         with protocol_errors():
             check_range("logprobs", self.logprobs)
-        if isinstance(self.prompt, list) and self.prompt and _looks_like_token_ids(self.prompt) \
-                and not is_token_ids(self.prompt):
-            raise ProtocolError("'prompt' token ids must be integers", "prompt")
-        if isinstance(self.prompt, list) and self.prompt and not is_token_ids(self.prompt):
-            if len(self.prompt) == 1:
-                self.prompt = self.prompt[0]
-            elif all(isinstance(p, (str, list)) for p in self.prompt):  # else a type error below
-                raise ProtocolError("batched prompts are not supported: send one request per prompt", "prompt")
-        # The type before emptiness: a one-element list's element may be anything ([null], [{}]).
-        if not isinstance(self.prompt, str) and not is_token_ids(self.prompt):
-            raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
-        if not self.prompt:
+        if isinstance(self.prompt, list) and not self.prompt:
             raise ProtocolError("'prompt' must not be empty", "prompt")
+        if isinstance(self.prompt, list) and _looks_like_token_ids(self.prompt) and not is_token_ids(self.prompt):
+            raise ProtocolError("'prompt' token ids must be integers", "prompt")
+        batched = isinstance(self.prompt, list) and not is_token_ids(self.prompt)
+        for i, prompt in enumerate(self.prompts()):
+            _check_prompt(prompt, f"prompt[{i}]" if batched else "prompt")
+
+    def prompts(self) -> list[str | list]:
+        """The request's prompts: ``[prompt]`` for one (a string, or a flat list of token ids),
+        else the batch's elements."""
+        if isinstance(self.prompt, str) or is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+def _check_prompt(prompt: object, param: str) -> None:
+    """One prompt: a non-empty string or a non-empty list of integer token ids.
+
+    Raises:
+        ProtocolError: 400 naming ``param`` (``prompt``, or ``prompt[i]`` in a batch).
+    """
+    if isinstance(prompt, list) and prompt and _looks_like_token_ids(prompt) and not is_token_ids(prompt):
+        raise ProtocolError(f"'{param}' token ids must be integers", param)
+    # The type before emptiness: an element may be anything ([null], [{}]).
+    if not isinstance(prompt, str) and not is_token_ids(prompt):
+        raise ProtocolError(f"'{param}' must be a string or a list of token ids", param)
+    if not prompt:
+        raise ProtocolError(f"'{param}' must not be empty", param)
 
 
 def _looks_like_token_ids(value: list) -> bool:
@@ -240,11 +262,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
                 check_range("max_tokens", self.max_completion_tokens, "max_completion_tokens")
             self.max_tokens = self.max_completion_tokens  # OpenAI's newer name wins over max_tokens
         self.check_ranges()
-        if not self.messages:
-            raise ProtocolError("'messages' must not be empty", "messages")
-        for i, message in enumerate(self.messages):  # only an assistant turn may omit its content
-            if message.content is None and message.role != "assistant":
-                raise ProtocolError(f"messages[{i}] ({message.role}) has no 'content'", "messages")
+        check_messages(self.messages)
         with protocol_errors():
             check_range("top_logprobs", self.top_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
@@ -255,9 +273,36 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        """The messages as a chat template takes them (:meth:`engine.chat_template.ChatTemplate.render`,
-        which joins their text parts and refuses the others)."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        """The messages as a chat template takes them (:func:`conversation`)."""
+        return conversation(self.messages)
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """A conversation: at least one message, each with content unless it is an assistant turn.
+
+    Raises:
+        ProtocolError: 400 naming ``messages``.
+    """
+    if not messages:
+        raise ProtocolError("'messages' must not be empty", "messages")
+    for i, message in enumerate(messages):  # only an assistant turn may omit its content
+        if message.content is None and message.role != "assistant":
+            raise ProtocolError(f"messages[{i}] ({message.role}) has no 'content'", "messages")
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as a chat template takes them (:meth:`engine.chat_template.ChatTemplate.render`,
+    which joins their text parts and refuses the others)."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def unknown_model(requested: str, served: str) -> ProtocolError:
+    """404 (OpenAI's ``model_not_found``) for a ``model`` other than the served one."""
+    return ProtocolError(f"The model '{requested}' does not exist (serving '{served}')", "model", 404,
+                         "model_not_found")
+
+
+RequestT = TypeVar("RequestT", bound=msgspec.Struct)
 
 
 def _error_param(message: str) -> str | None:
@@ -270,8 +315,8 @@ def _error_param(message: str) -> str | None:
     return missing.group(1) if missing else None
 
 
-def decode_request(body: bytes, schema: type[_Sampling]) -> _Sampling:
-    """Decode + validate; raises ProtocolError (400) naming the parameter."""
+def decode_request(body: bytes, schema: type[RequestT]) -> RequestT:
+    """Decode + validate (the schema's ``validate()``); raises ProtocolError (400) naming the parameter."""
     try:
         req = msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as e:

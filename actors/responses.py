@@ -69,21 +69,28 @@ def chat_logprobs(items: list[dict], tokenizer) -> dict:
 class ResponseBuilder:
     """Accumulates a request's stream items into chunks or a final body.
 
+    A completion request with several prompts has one engine request per prompt, each with ``n``
+    choices: prompt ``p``'s choice ``j`` is the response's choice ``p * n + j`` (OpenAI's rule), and
+    the usage is the sum over the prompts.
+
     ``tokenizer`` None (``skip_tokenizer_init``): every choice also carries its ``token_ids`` (the
     new ones in a chunk, all of them in the final body), since its text is empty.
     """
 
-    def __init__(self, kind: str, model: str, request_id: str, n: int, tokenizer, want_logprobs: bool):
+    def __init__(self, kind: str, model: str, request_id: str, n: int, tokenizer, want_logprobs: bool,
+                 num_prompts: int = 1):
         self.kind, self.model, self.id, self.tokenizer = kind, model, request_id, tokenizer
         self.created = int(time.time())
         self.object = "text_completion" if kind == "completion" else "chat.completion"
+        self.n_per_prompt, self.num_prompts = n, num_prompts
+        n *= num_prompts
         self.text = [""] * n
         self.finish = [None] * n
         self.stop = [None] * n  # vLLM's stop_reason: the stop string or token id that matched (None: EOS, length)
         self.logprobs: list[list[dict]] = [[] for _ in range(n)]
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.want_logprobs = want_logprobs
-        self.usage: dict | None = None
+        self._usage: dict[int, dict] = {}  # per prompt, once its engine request finished
         self._role_sent = [False] * n  # chat streams announce the role in a chunk of its own, first
 
     def _lp(self, items: list[dict], text_before: int = 0) -> dict | None:
@@ -92,11 +99,12 @@ class ResponseBuilder:
         return completion_logprobs(items, self.tokenizer, text_before) if self.kind == "completion" else chat_logprobs(
             items, self.tokenizer)
 
-    def add(self, item: dict) -> list[dict]:
-        """Absorb a step item; return the streaming chunks it produces."""
+    def add(self, item: dict, prompt: int = 0) -> list[dict]:
+        """Absorb a step item of prompt ``prompt``'s engine request; return the streaming chunks
+        it produces."""
         chunks = []
         for c in item["choices"]:
-            i = c["index"]
+            i = prompt * self.n_per_prompt + c["index"]
             self.text[i] += c["new_text"]
             self.logprobs[i] += c["new_logprobs"] or []
             self.token_ids[i] += c["new_token_ids"]
@@ -110,9 +118,17 @@ class ResponseBuilder:
                     chunks.append(self._role_chunk(i))
                 chunks.append(self._chunk(i, c))
         if item.get("usage"):
-            self.usage = {**item["usage"],
-                          "total_tokens": item["usage"]["prompt_tokens"] + item["usage"]["completion_tokens"]}
+            self._usage[prompt] = item["usage"]
         return chunks
+
+    @property
+    def usage(self) -> dict | None:
+        """Token counts summed over the prompts whose engine requests finished (None: none yet)."""
+        if not self._usage:
+            return None
+        prompt = sum(u["prompt_tokens"] for u in self._usage.values())
+        completion = sum(u["completion_tokens"] for u in self._usage.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _chunk(self, i: int, c: dict) -> dict:
         lp = self._lp(c["new_logprobs"] or [], len(self.text[i]) - len(c["new_text"]))

@@ -168,19 +168,28 @@ class RouterTelemetry:
 
 class RequestTrace:
     """The HTTP server span and the gen_ai span of one request, open for its whole life
-    (a streaming response outlives the handler that starts it, so these are ended by hand)."""
+    (a streaming response outlives the handler that starts it, so these are ended by hand).
 
-    def __init__(self, route: str, headers: dict, operation: str, model: str) -> None:
+    ``joins``: the trace of another prompt of the same HTTP request (a completion request with a
+    batch of prompts): this one's gen_ai span is a child of that one's HTTP span, which only
+    ``joins`` ends.
+    """
+
+    def __init__(self, route: str, headers: dict, operation: str, model: str,
+                 joins: RequestTrace | None = None) -> None:
         self.http = self.gen_ai = None
-        self.context = None
+        self.context = self.http_context = None
         if not is_enabled():
             return
         try:
             tracer = get_tracer()
-            parent = extract_context(headers)  # an incoming traceparent, if the client sent one
-            self.http = tracer.start_span(sc.http_span_name("POST", route), context=parent, kind=SpanKind.SERVER,
-                                          attributes={sc.HTTP_REQUEST_METHOD: "POST", sc.HTTP_ROUTE: route})
-            http_ctx = trace.set_span_in_context(self.http, parent)
+            if joins is not None:
+                http_ctx = joins.http_context
+            else:
+                parent = extract_context(headers)  # an incoming traceparent, if the client sent one
+                self.http = tracer.start_span(sc.http_span_name("POST", route), context=parent, kind=SpanKind.SERVER,
+                                              attributes={sc.HTTP_REQUEST_METHOD: "POST", sc.HTTP_ROUTE: route})
+                http_ctx = self.http_context = trace.set_span_in_context(self.http, parent)
             self.gen_ai = tracer.start_span(sc.gen_ai_span_name(operation, model), context=http_ctx,
                                             kind=SpanKind.CLIENT)
             self.context = trace.set_span_in_context(self.gen_ai, http_ctx)
@@ -219,8 +228,9 @@ class RequestTelemetry:
     """Metrics (TTFT, ITL, TPOT, e2e, queue time, tokens) and spans of one HTTP request."""
 
     def __init__(self, metrics: RequestMetrics | None, route: str, headers: dict, operation: str, model: str,
-                 arrival_s: float) -> None:
-        self.trace = RequestTrace(route, headers, operation, model)
+                 arrival_s: float, joins: RequestTelemetry | None = None) -> None:
+        self.trace = RequestTrace(route, headers, operation, model, joins.trace if joins is not None else None)
+        self._args = (metrics, route, headers, operation, model, arrival_s)
         self.tracker = metrics.track(arrival_s) if metrics is not None else None
         self.arrival_s = arrival_s
         self.usage: dict | None = None
@@ -228,6 +238,11 @@ class RequestTelemetry:
         self.reasons: dict[int, str] = {}
         self.num_tokens = 0
         self.done = False
+
+    def for_another_prompt(self) -> RequestTelemetry:
+        """The telemetry of another prompt of this HTTP request: metrics of its own (each prompt is
+        an engine request, as vLLM counts them) and a gen_ai span in this request's HTTP span."""
+        return RequestTelemetry(*self._args, joins=self)
 
     def on_item(self, item: dict) -> None:
         """One verifier stream item (see ``actors/stream_items.py``); a merged one's steps are

@@ -28,6 +28,13 @@ from engine.errors import ConfigError
     ("engine_step_timeout_s: -1\n", "engine_step_timeout_s must be > 0, got -1.0"),
     ("verifier_start_timeout_s: 0\n", "verifier_start_timeout_s must be > 0, got 0.0"),
     ("http:\n  host: ''\n", "Expected `str` of length >= 1 - at `$.http.host`"),
+    ("http:\n  api_key: ''\n", "Expected `str` of length >= 1 - at `$.http.api_key`"),
+    ("http:\n  allowed_origins: ['']\n", "Expected `str` of length >= 1 - at `$.http.allowed_origins[0]`"),
+    # The rest of CORS means nothing without origins: a config that sets it alone is a mistake.
+    ("http:\n  allow_credentials: true\n", "allow_credentials must be left at its default False unless "
+     "allowed_origins is set (no CORS without it), got True - at `$.http`"),
+    ("http:\n  allowed_methods: [GET]\n", "allowed_methods must be left at its default ('*',) unless "
+     "allowed_origins is set (no CORS without it), got ('GET',) - at `$.http`"),
     # A class's name is in the message (msgspec's own path shows a dict key as [...]).
     ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      fast: {ttft_ms: 100}\n      slow: {ttft_ms: -5}\n",
      "slo_classes.slow.ttft_ms must be > 0, got -5.0 - at `$.engine.scheduler`"),
@@ -161,3 +168,29 @@ class _RecordingHandle(DeploymentHandle):
 
     def options(self, **kwargs) -> "_RecordingHandle":
         return _RecordingHandle((*self.calls, kwargs))
+
+
+def test_api_key_and_allowed_origins_overrides_and_the_key_kept_out_of_errors_and_ray_env(monkeypatch, capsys):
+    import argparse
+
+    from engine.yaml_config import load_yaml
+
+    config = load_yaml("configs/embedded.yaml", ServeConfig)
+    assert (config.http.api_key, config.http.allowed_origins) == (None, None)  # default: no key, no CORS
+    args = argparse.Namespace(
+        host=None, port=None, speculative_method=None, num_speculative_tokens=None, speculative_policy=None,
+        api_key="sk-cli-secret", allowed_origins=["https://app.example", "http://localhost:3000"])
+    overridden = serve_app.apply_overrides(config, args)
+    assert overridden.http.api_key == "sk-cli-secret"
+    assert overridden.http.allowed_origins == ("https://app.example", "http://localhost:3000")
+    with pytest.raises(ConfigError) as err:  # an empty key: named by its path, never echoed
+        serve_app.apply_overrides(config, argparse.Namespace(**{**vars(args), "api_key": ""}))
+    assert "$.http.api_key" in str(err.value)
+    monkeypatch.setenv("SPECMOE_API_KEY", "sk-env-secret")
+    monkeypatch.setenv("SPECMOE_TRITON", "0")
+    env = serve_app.ray_env(config)  # Ray's runtime-env agent logs these
+    assert env["SPECMOE_TRITON"] == "0" and "SPECMOE_API_KEY" not in env
+    assert config.http.resolved_api_key() == "sk-env-secret"
+    assert overridden.http.resolved_api_key() == "sk-cli-secret"  # the config's key wins
+    monkeypatch.setenv("SPECMOE_API_KEY", "")
+    assert config.http.resolved_api_key() is None  # empty: unset

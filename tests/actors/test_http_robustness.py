@@ -26,7 +26,7 @@ BAD_INPUTS = [
     (C, {**OK_PROMPT, "n": 9}, 400), (C, {**OK_PROMPT, "logprobs": 6}, 400), (C, {**OK_PROMPT, "logprobs": -1}, 400),
     (C, {**OK_PROMPT, "model": "gpt-4"}, 404), (C, {**OK_PROMPT, "stop": [""]}, 400),
     (C, {**OK_PROMPT, "stop": ["a", "b", "c", "d", "e"]}, 400), (C, {**OK_PROMPT, "num_speculative_tokens": 17}, 400),
-    (C, {**OK_PROMPT, "prompt": ["a", "b"]}, 400), (C, {**OK_PROMPT, "stream": "yes"}, 400),
+    (C, {**OK_PROMPT, "prompt": ["a", 5]}, 400), (C, {**OK_PROMPT, "stream": "yes"}, 400),
     (C, {**OK_PROMPT, "seed": "abc"}, 400), (C, {**OK_PROMPT, "stop_token_ids": [-1]}, 400),
     (C, {**OK_PROMPT, "ignore_eos": "maybe"}, 400), (CHAT, {**OK_CHAT, "messages": []}, 400),
     (CHAT, {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400), (CHAT, {"model": MODEL_NAME}, 400),

@@ -4,7 +4,6 @@ empty); text prompts, chat and stop strings answer a clear 400 in OpenAI's error
 
 import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgspec
@@ -12,41 +11,12 @@ import pytest
 from fastapi import FastAPI, Request
 
 from actors.config import ServeConfig
-from actors.engine_loop import EngineLoop
 from actors.ingress import IngressServer
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs
 from engine.llm import build_engine
 from tests.engine.test_skip_tokenizer_init import DRAFT, PROMPTS, TARGET, without_tokenizer
-
-
-class _Stream:
-    """A verifier stream as IngressServer uses it: async iteration plus ``cancel()``."""
-
-    def __init__(self, gen) -> None:
-        self.gen = gen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self.gen.__anext__()
-
-    def cancel(self) -> None:
-        asyncio.ensure_future(self.gen.aclose())
-
-
-class _LocalVerifier:
-    """``generate.remote(...)`` over an EngineLoop (one per event loop: each test runs its own)."""
-
-    def __init__(self, engine) -> None:
-        self.engine, self.loop, self.owner = engine, None, None
-        self.generate = self
-
-    def remote(self, ids, params, prompt, rid, carrier, stream) -> _Stream:
-        if self.owner is not asyncio.get_running_loop():
-            self.loop, self.owner = EngineLoop(self.engine, ThreadPoolExecutor(1)), asyncio.get_running_loop()
-        return _Stream(self.loop.generate(ids, params, prompt, rid, carrier, stream))
+from tests.helpers.local_verifier import LocalVerifier
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +26,7 @@ def app(tmp_path_factory) -> FastAPI:
     engine = {"model": str(target), "draft_model": str(draft), "num_speculative_tokens": 3,
               "skip_tokenizer_init": True}
     config = msgspec.convert({"model_name": "m", "engine": engine}, ServeConfig)
-    server = IngressServer(config, _LocalVerifier(build_engine(msgspec.convert(engine, EngineArgs))))
+    server = IngressServer(config, LocalVerifier(build_engine(msgspec.convert(engine, EngineArgs))))
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -67,6 +37,8 @@ def app(tmp_path_factory) -> FastAPI:
     async def chat(request: Request):
         return await server.chat_completions(request)
 
+    app.post("/tokenize")(server.tokenizer_routes.tokenize)
+    app.post("/detokenize")(server.tokenizer_routes.detokenize)
     return app
 
 
@@ -106,3 +78,12 @@ def test_token_id_prompts_answer_token_ids(app):
     assert r.json()["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 8, "total_tokens": 15}
     chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want.token_ids
+
+
+@pytest.mark.parametrize(("path", "body"), [("/tokenize", {"prompt": "def f():"}), ("/detokenize", {"tokens": [5]})])
+def test_tokenize_and_detokenize_need_a_tokenizer(app, path, body):
+    [r] = _post(app, (path, {"model": "m", **body}))
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": f"{path} needs a tokenizer and this model was loaded with "
+                                            "skip_tokenizer_init", "type": "invalid_request_error", "param": None,
+                                 "code": None}

@@ -62,16 +62,28 @@ def test_prompt_checks_name_their_parameter(ids, max_tokens, param, code):
     check_prompt([1] * 10, 6, vocab_size=64, max_model_len=16)  # exactly fills the window: fine
 
 
-@pytest.mark.parametrize(("prompt", "message"), [
-    ([None], "must be a string or a list of token ids"), ([{}], "must be a string or a list of token ids"),
-    ([[]], "must not be empty"), ([""], "must not be empty"), (["a", "b"], "batched prompts are not supported"),
-    ([[1, 2], [3]], "batched prompts are not supported"), (["a", 5], "must be a string or a list of token ids"),
+@pytest.mark.parametrize(("prompt", "param", "message"), [
+    ([], "prompt", "must not be empty"), ([1.5, 2], "prompt", "token ids must be integers"),
+    ([None], "prompt[0]", "must be a string or a list of token ids"),
+    ([{}], "prompt[0]", "must be a string or a list of token ids"),
+    ([[]], "prompt[0]", "must not be empty"), ([""], "prompt[0]", "must not be empty"),
+    (["a", 5], "prompt[1]", "must be a string or a list of token ids"),
+    (["a", "b", [1.5]], "prompt[2]", "token ids must be integers"), ([[1, 2], [3], []], "prompt[2]", "must not be empty"),
 ])
-def test_a_one_element_prompt_list_is_judged_by_its_element(prompt, message):
-    # A list of strings or of token-id lists is a batch (unsupported); any other list is a type error.
+def test_a_bad_prompt_of_a_batch_is_named_by_its_position(prompt, param, message):
+    # A list that is not token ids is a batch: each element a string or a list of token ids.
     with pytest.raises(ProtocolError, match=message) as err:
         decode_request(msgspec.json.encode({"model": "m", "prompt": prompt}), CompletionRequest)
-    assert err.value.param == "prompt"
+    assert err.value.param == param and str(err.value).startswith(f"'{param}' ")
+
+
+@pytest.mark.parametrize(("prompt", "prompts"), [
+    ("x", ["x"]), ([1, 2], [[1, 2]]), (["a"], ["a"]), (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]]),
+    (["a", [4, 5]], ["a", [4, 5]]),
+])
+def test_a_flat_list_of_ints_is_one_prompt_and_any_other_list_a_batch(prompt, prompts):
+    req = decode_request(msgspec.json.encode({"model": "m", "prompt": prompt}), CompletionRequest)
+    assert req.prompts() == prompts
 
 
 def test_nesting_too_deep_for_the_decoder_is_a_400():

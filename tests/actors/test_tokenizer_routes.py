@@ -1,0 +1,91 @@
+"""vLLM's POST /tokenize and /detokenize: the ids the completion routes submit for the same prompt
+or conversation, the text back from ids, and 400s in OpenAI's shape (a test double verifier, no
+Ray)."""
+
+import asyncio
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+
+from engine.loader import load_tokenizer
+from tests.actors.conftest import MODEL_NAME, TARGET
+from tests.actors.test_ingress_failures import FakeStream, FakeVerifier, _server, _step
+
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+
+
+def _app():
+    verifier = FakeVerifier()
+    server, app = _server(verifier)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await server.chat_completions(request)
+
+    app.post("/tokenize")(server.tokenizer_routes.tokenize)
+    app.post("/detokenize")(server.tokenizer_routes.detokenize)
+    return app, verifier
+
+
+def _post(app: FastAPI, *requests: tuple[str, dict]) -> list[httpx.Response]:
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return [await client.post(path, json=body, timeout=5) for path, body in requests]
+
+    return asyncio.run(run())
+
+
+def test_tokenize_gives_the_ids_the_completion_routes_submit():
+    app, verifier = _app()
+    verifier.streams = [FakeStream([{"type": "accepted"}, _step("a", finish="length")]) for _ in range(2)]
+    prompt = "def fibonacci(n):\n    return n"
+    tok, chat, completion, chat_completion = _post(
+        app, ("/tokenize", {"model": MODEL_NAME, "prompt": prompt}),
+        ("/tokenize", {"model": MODEL_NAME, "messages": MESSAGES, "add_generation_prompt": True}),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}))
+    tokenizer, _ = load_tokenizer(Path(TARGET))
+    want = tokenizer.encode(prompt).ids
+    assert tok.status_code == 200
+    assert tok.json() == {"count": len(want), "max_model_len": 1024, "tokens": want, "token_strs": None}
+    assert len(want) > 3
+    assert completion.status_code == chat_completion.status_code == 200 and len(verifier.calls) == 2
+    assert verifier.calls[0][0] == want
+    assert chat.status_code == 200 and chat.json()["tokens"] == verifier.calls[1][0]
+    assert chat.json()["count"] > len(tokenizer.encode("You write Python.Sort a list.").ids)
+
+
+def test_tokenize_options_and_detokenize_round_trip():
+    app, _ = _app()
+    no_gen, gen, strs = _post(
+        app, ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}),
+        ("/tokenize", {"messages": MESSAGES}), ("/tokenize", {"prompt": "import os", "return_token_strs": True}))
+    tokenizer, _ = load_tokenizer(Path(TARGET))
+    assert tokenizer.decode(gen.json()["tokens"]).endswith("<|assistant|>\n")  # the plain template's opening
+    assert gen.json()["tokens"][:no_gen.json()["count"]] == no_gen.json()["tokens"]
+    assert gen.json()["count"] > no_gen.json()["count"]
+    assert "".join(strs.json()["token_strs"]) == "import os" and len(strs.json()["token_strs"]) == strs.json()["count"]
+    text = "class Stack:\n    def push(self, x):\n        self.items.append(x)\n"
+    tokens = _post(app, ("/tokenize", {"prompt": text}))[0].json()["tokens"]
+    back, = _post(app, ("/detokenize", {"model": MODEL_NAME, "tokens": tokens}))
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+
+
+def test_bad_input_answers_openai_errors():
+    app, _ = _app()
+    oov, not_ints, other_model, neither, both, no_content = _post(
+        app, ("/detokenize", {"tokens": [5, 70000, -1]}), ("/detokenize", {"tokens": ["a"]}),
+        ("/tokenize", {"model": "gpt-4", "prompt": "x"}), ("/tokenize", {"model": MODEL_NAME}),
+        ("/tokenize", {"prompt": "x", "messages": MESSAGES}), ("/tokenize", {"messages": [{"role": "user"}]}))
+    assert oov.status_code == 400
+    assert oov.json()["error"] == {"message": "token ids [70000, -1] are outside the vocabulary [0, 4096)",
+                                   "type": "invalid_request_error", "param": "tokens", "code": None}
+    assert (not_ints.status_code, not_ints.json()["error"]["param"]) == (400, "tokens")
+    assert other_model.status_code == 404
+    assert other_model.json()["error"] == {"message": f"The model 'gpt-4' does not exist (serving '{MODEL_NAME}')",
+                                           "type": "not_found_error", "param": "model", "code": "model_not_found"}
+    assert (neither.status_code, neither.json()["error"]["param"]) == (400, "prompt")
+    assert neither.json()["error"]["message"] == "send either 'prompt' or 'messages'"
+    assert (both.status_code, both.json()["error"]["param"]) == (400, "messages")
+    assert (no_content.status_code, no_content.json()["error"]["param"]) == (400, "messages")
