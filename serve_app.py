@@ -125,6 +125,10 @@ def proxy_start_error(host: str, port: int, error: Exception) -> StartupError:
                         f"readiness checks, as on an overloaded machine: see the log above, and retry")
 
 
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
+GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
 def ray_env(config: ServeConfig) -> dict:
     """Environment every Ray worker gets: one torch thread, the OTel settings of this shell, and
     the HTTP proxy's side of ``config.serve_transport`` (the proxy reads it when it starts)."""
@@ -134,6 +138,10 @@ def ray_env(config: ServeConfig) -> dict:
     # Not the API key: Ray's runtime-env agent logs a job's env_vars (start() passes it in the config).
     env.update({k: v for k, v in os.environ.items() if k.startswith("SPECMOE_") and k != API_KEY_ENV})
     env["RAY_SERVE_PROXY_USE_GRPC"] = "1" if config.serve_transport == "grpc" else "0"
+    # Serve's gRPC hops (proxy <- ingress <- verifier) refuse a message over 4 MiB by default: a
+    # non-streamed response or stream item that large (a batch with logprobs, /tokenize of a 3 MB
+    # prompt) was a bare 500. Ray's own limit for its other gRPC is 2 GiB.
+    env[GRPC_MAX_MESSAGE_ENV] = str(GRPC_MAX_MESSAGE_BYTES)
     return env
 
 

@@ -85,5 +85,13 @@ def _settle(tasks) -> None:
     for task in tasks:
         if not task.done():
             task.cancel()
-        elif not task.cancelled():
-            task.exception()
+            # A cancelled wait may still end in the stream's own error (Serve's
+            # RequestCancelledError): retrieve it once it does.
+            task.add_done_callback(_retrieve)
+        else:
+            _retrieve(task)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -187,6 +187,7 @@ class IngressServer:
             with protocol_errors():
                 check_without_tokenizer(kind == "completion" and any(isinstance(p, str) for p in req.prompts()),
                                         [req.stop] if isinstance(req.stop, str) else req.stop or [], kind == "chat")
+        self._check_capacity(len(req.prompts()) if kind == "completion" else 1, req.n)
         if kind == "chat":
             with protocol_errors():
                 prompt_text = self.chat_template.render(req.conversation())
@@ -195,6 +196,19 @@ class IngressServer:
         if len(prompts) == 1:
             return req, [self._prompt(req, prompts[0], req.logprobs)]
         return req, [self._prompt(req, prompt, req.logprobs, f"prompt[{i}]") for i, prompt in enumerate(prompts)]
+
+    def _check_capacity(self, num_prompts: int, n: int) -> None:
+        """Refuses (400) a request of more sequences than the verifier replicas can ever hold at
+        once (``max_num_seqs`` running + ``max_waiting`` waiting each): its 503 would repeat on every
+        retry, and its prompts would all be submitted first (20,000 prompts stalled the server for a
+        minute). Checked before any prompt is tokenized."""
+        sched = self.config.engine.scheduler
+        limit = (sched.max_num_seqs + sched.max_waiting) * self.config.verifier.num_replicas
+        if num_prompts * n > limit:
+            what = f"{num_prompts} prompts x n = {n}" if num_prompts > 1 else f"n = {n}"
+            raise ProtocolError(f"{what} is {num_prompts * n} sequences, more than the {limit} the server can hold "
+                                f"at once (engine.scheduler.max_num_seqs + max_waiting per verifier replica); "
+                                f"send fewer per request", "prompt" if num_prompts > 1 else "n")
 
     def _prompt(self, req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int], logprobs: int | None,
                 param: str = "prompt") -> Prompt:

@@ -80,6 +80,9 @@ def test_kuberay_manifest_embeds_a_valid_app_and_a_cluster_that_fits_it(path):
         # the proxy (on any node) takes the HTTP -> ingress half of the app's serve_transport
         proxy_grpc = {e["name"]: e["value"] for e in c["env"]}.get("RAY_SERVE_PROXY_USE_GRPC", "0")
         assert proxy_grpc == ("1" if config.serve_transport == "grpc" else "0"), c["name"]
+        # Serve's gRPC hops pass a message as large as the embedded start lets through
+        assert {e["name"]: e["value"] for e in c["env"]}.get(serve_app.GRPC_MAX_MESSAGE_ENV) == str(
+            serve_app.GRPC_MAX_MESSAGE_BYTES), c["name"]
     wants_gpu = config.engine.device == "cuda"
     gpu_groups = [g for g in groups if "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["limits"]]
     assert bool(gpu_groups) == wants_gpu

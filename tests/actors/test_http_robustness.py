@@ -229,3 +229,14 @@ def test_killing_an_expert_actor_mid_batch_changes_no_output(served, reference_l
 
     assert asyncio.run(run()) == expected
     assert _engine_stats(handle)["expert_retries"] > retries_before
+
+
+def test_a_response_over_grpcs_default_4_mib_is_served(served):
+    """Serve's proxy <- ingress gRPC refused a message over 4 MiB by default: a bare 500 (a fresh
+    user's /tokenize of a 3 MB prompt; a batch with logprobs likewise)."""
+    url, _, _ = served
+    r = httpx.post(url + "/tokenize", json={"model": MODEL_NAME, "prompt": "x = 1\n" * 500_000}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.content) > 4 * 1024 * 1024
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 1_000_000

@@ -170,3 +170,20 @@ def test_a_batch_past_its_timeout_gets_504_and_every_prompt_is_cancelled():
     r, = _post(app, {**GREEDY, "prompt": ["a", "b"]})
     assert r.status_code == 504 and "request_timeout_s = 0.5 s" in r.json()["error"]["message"]
     assert done.cancelled and stalled.cancelled
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_larger_than_the_server_can_hold_is_a_400_before_anything_is_tokenized_or_submitted():
+    verifier = FakeVerifier()
+    engine = {"model": TARGET, "draft_model": DRAFT, "num_speculative_tokens": 3,
+              "scheduler": {"max_num_seqs": 2, "max_waiting": 3}}
+    server = IngressServer(msgspec.convert({"model_name": MODEL_NAME, "engine": engine}, ServeConfig), verifier)
+    app = FastAPI()
+    app.post("/v1/completions")(server.completions)
+    r_batch, r_n = _post(app, {**GREEDY, "prompt": ["a", "b", "c"], "n": 2}, {**GREEDY, "prompt": "a", "n": 6})
+    assert (r_batch.status_code, r_batch.json()["error"]["param"]) == (400, "prompt")
+    assert r_batch.json()["error"]["message"].startswith(
+        "3 prompts x n = 2 is 6 sequences, more than the 5 the server can hold at once")
+    assert (r_n.status_code, r_n.json()["error"]["param"]) == (400, "n")
+    assert r_n.json()["error"]["message"].startswith("n = 6 is 6 sequences, more than the 5")
+    assert verifier.calls == []
