@@ -187,12 +187,12 @@ class IngressServer:
             with protocol_errors():
                 check_without_tokenizer(kind == "completion" and any(isinstance(p, str) for p in req.prompts()),
                                         [req.stop] if isinstance(req.stop, str) else req.stop or [], kind == "chat")
-        self._check_capacity(len(req.prompts()) if kind == "completion" else 1, req.n)
-        if kind == "chat":
+        prompts = req.prompts() if kind == "completion" else None
+        self._check_capacity(len(prompts) if prompts is not None else 1, req.n)
+        if prompts is None:  # chat: one prompt, the rendered conversation
             with protocol_errors():
                 prompt_text = self.chat_template.render(req.conversation())
             return req, [self._prompt(req, prompt_text, req.num_logprobs, "messages")]
-        prompts = req.prompts()
         if len(prompts) == 1:
             return req, [self._prompt(req, prompts[0], req.logprobs)]
         return req, [self._prompt(req, prompt, req.logprobs, f"prompt[{i}]") for i, prompt in enumerate(prompts)]
