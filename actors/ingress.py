@@ -194,7 +194,7 @@ class IngressServer:
             with protocol_errors():
                 prompt_text = self.chat_template.render(req.conversation())
             return req, [self._prompt(req, prompt_text, req.num_logprobs, "messages")]
-        if len(prompts) == 1:
+        if not req.is_batch:
             return req, [self._prompt(req, prompts[0], req.logprobs)]
         return req, [self._prompt(req, prompt, req.logprobs, f"prompt[{i}]") for i, prompt in enumerate(prompts)]
 
