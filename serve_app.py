@@ -30,7 +30,8 @@ if __name__ == "__main__":
 try:
     import msgspec
 
-    from actors.config import API_KEY_ENV, ServeConfig
+    from actors.api_key import API_KEY_ENV
+    from actors.config import ServeConfig
     from engine.config import ModelConfig
     from engine.errors import CheckpointError, ConfigError
     from engine.yaml_config import load_yaml

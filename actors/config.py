@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Annotated, Literal
 
 import msgspec
 
+from actors.api_key import ApiKeyHolder
 from engine.args import EngineArgs
 from observability.tracing import TracingConfig
 
@@ -294,19 +294,19 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
                  self.graceful_shutdown_wait_loop_s)
 
 
-API_KEY_ENV = "SPECMOE_API_KEY"  # vLLM's VLLM_API_KEY: the key when http.api_key is not set
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
 _CORS_DEFAULTS = {"allowed_methods": ("*",), "allowed_headers": ("*",), "allow_credentials": False}
 
 
-class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+class HttpConfig(ApiKeyHolder, msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Where Serve's HTTP proxies listen (``serve_app.py`` only; a Serve config file has its own
     ``http_options``/``proxy_location``), and who may call the API (``actors/http_access.py``).
 
     Attributes:
         proxy_location: Serve's ``EveryNode`` (a proxy on every node with a replica) or
             ``HeadOnly`` (several Ray nodes on one machine would all bind the same port).
-        api_key: vLLM's ``--api-key`` (else ``$SPECMOE_API_KEY``). allowed_origins (None: no
+        api_key: vLLM's ``--api-key`` (else ``$SPECMOE_API_KEY``; never in a repr, see
+            ``actors/api_key.py``). allowed_origins (None: no
             CORS), allowed_methods, allowed_headers, allow_credentials: vLLM's CORS options.
     """
 
@@ -325,11 +325,6 @@ class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froze
             _require(self.allowed_origins is not None or getattr(self, name) == default, name,
                      f"left at its default {default!r} unless allowed_origins is set (no CORS without it)",
                      getattr(self, name))
-
-    def resolved_api_key(self) -> str | None:
-        """``api_key``, else ``$SPECMOE_API_KEY`` (empty: unset), else None (no key needed)."""
-        return self.api_key or os.environ.get(API_KEY_ENV) or None
-
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Top-level config of ``serve_app.py`` (see ``configs/embedded.yaml``).

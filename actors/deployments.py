@@ -12,6 +12,7 @@ from actors.config import ServeConfig
 from actors.http_access import GuardedApp
 from actors.ingress import IngressServer, app
 from actors.verifier import VerifierServer
+from actors.version import VERSION
 
 
 @serve.deployment(name="verifier")
@@ -62,6 +63,10 @@ class IngressDeployment:
     @app.get("/metrics")
     async def metrics(self):
         return await self.server.metrics_text()
+
+    @app.get("/version")  # vLLM's; open with an API key too, as in vLLM (actors/http_access.py)
+    async def version(self):
+        return {"version": VERSION}
 
 
 def _options(d) -> dict:

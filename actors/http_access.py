@@ -2,11 +2,11 @@
 
 With an API key (``http.api_key`` or ``$SPECMOE_API_KEY``, :meth:`HttpConfig.resolved_api_key`),
 every ``/v1`` route, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer <key>``, else a
-401 in OpenAI's error shape (``code: invalid_api_key``). As in vLLM, ``/health`` and ``/metrics``
-stay open (probes and scrapers carry no key) and so does a CORS preflight (``OPTIONS``); unlike
-vLLM, ``/tokenize`` and ``/detokenize`` need the key too. The key is kept only as its SHA-256
-digest and compared in constant time; neither it nor what a client sent appears in a response or
-a log line.
+401 in OpenAI's error shape (``code: invalid_api_key``). As in vLLM, ``/health``, ``/metrics``
+and ``/version`` stay open (probes and scrapers carry no key) and so does a CORS preflight
+(``OPTIONS``); unlike vLLM, ``/tokenize`` and ``/detokenize`` need the key too. The key is kept
+only as its SHA-256 digest and compared in constant time; neither it nor what a client sent
+appears in a response or a log line.
 
 With ``http.allowed_origins``, Starlette's own CORSMiddleware answers browsers, outside the key
 check so that a 401 carries the CORS headers a browser needs to read it.

@@ -42,6 +42,7 @@ from actors.openai_protocol import (
 from actors.responses import ResponseBuilder, sse
 from actors.telemetry import RequestTelemetry
 from actors.tokenizer_routes import TokenizerRoutes
+from actors.version import VERSION
 from engine.chat_template import ChatTemplate
 from engine.loader import encode_text, max_chars_per_token
 from engine.request_ranges import check_prompt, check_prompt_chars, check_without_tokenizer
@@ -51,7 +52,7 @@ from observability import semconv as sc
 
 log = logging.getLogger(__name__)
 # No interactive docs: the API is OpenAI's, and every route answers errors in OpenAI's shape.
-app = FastAPI(title="specmoe", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+app = FastAPI(title="specmoe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -193,7 +194,7 @@ class IngressServer:
             with protocol_errors():
                 prompt_text = self.chat_template.render(req.conversation())
             return req, [self._prompt(req, prompt_text, req.num_logprobs, "messages")]
-        if len(prompts) == 1:
+        if not req.is_batch:
             return req, [self._prompt(req, prompts[0], req.logprobs)]
         return req, [self._prompt(req, prompt, req.logprobs, f"prompt[{i}]") for i, prompt in enumerate(prompts)]
 

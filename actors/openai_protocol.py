@@ -202,16 +202,23 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise ProtocolError("'prompt' must not be empty", "prompt")
         if isinstance(self.prompt, list) and _looks_like_token_ids(self.prompt) and not is_token_ids(self.prompt):
             raise ProtocolError("'prompt' token ids must be integers", "prompt")
-        batched = isinstance(self.prompt, list) and not is_token_ids(self.prompt)
-        for i, prompt in enumerate(self.prompts()):
-            _check_prompt(prompt, f"prompt[{i}]" if batched else "prompt")
+        prompts = self.prompts()
+        for i, prompt in enumerate(prompts):
+            _check_prompt(prompt, f"prompt[{i}]" if self.is_batch else "prompt")
+        if len({isinstance(p, str) for p in prompts}) > 1:  # vLLM's prompt type has no mixed list either
+            raise ProtocolError("'prompt' must be a list of strings or a list of token-id lists, not a mix of both",
+                                "prompt")
+
+    @property
+    def is_batch(self) -> bool:
+        """Whether ``prompt`` is a batch (a list of strings or of token-id lists, even of one),
+        whose prompt ``i`` errors name ``prompt[i]``; a string or a flat list of ids is not."""
+        return isinstance(self.prompt, list) and not is_token_ids(self.prompt)
 
     def prompts(self) -> list[str | list]:
-        """The request's prompts: ``[prompt]`` for one (a string, or a flat list of token ids),
-        else the batch's elements."""
-        if isinstance(self.prompt, str) or is_token_ids(self.prompt):
-            return [self.prompt]
-        return list(self.prompt)
+        """The request's prompts: the batch's elements, else ``[prompt]`` (a string, or a flat list
+        of token ids)."""
+        return list(self.prompt) if self.is_batch else [self.prompt]
 
 
 def _check_prompt(prompt: object, param: str) -> None:

@@ -34,8 +34,8 @@ def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -
     """Legacy completions ``logprobs`` object for the given token logprob items.
 
     ``text_offset[j]`` is the character offset of token ``j``'s text in the completion text (vLLM's
-    rule: the running sum of the decoded token lengths, from ``initial_offset``, the length of the
-    text streamed before these tokens).
+    rule: the running sum of the decoded token lengths, from ``initial_offset``, the sum over the
+    choice's earlier tokens).
     """
     tokens = [token_text(tokenizer, i["token_id"]) for i in items]
     offsets, at = [], initial_offset
@@ -92,11 +92,15 @@ class ResponseBuilder:
         self.want_logprobs = want_logprobs
         self._usage: dict[int, dict] = {}  # per prompt, once its engine request finished
         self._role_sent = [False] * n  # chat streams announce the role in a chunk of its own, first
+        # Where a streamed chunk's text_offset continues: the earlier tokens' text lengths summed, as
+        # the final body counts them. Not the text streamed so far, which is shorter while a stop
+        # string's partial match holds text back (its tokens are listed already).
+        self._next_offset = [0] * n
 
-    def _lp(self, items: list[dict], text_before: int = 0) -> dict | None:
+    def _lp(self, items: list[dict], offset: int = 0) -> dict | None:
         if not self.want_logprobs:
             return None
-        return completion_logprobs(items, self.tokenizer, text_before) if self.kind == "completion" else chat_logprobs(
+        return completion_logprobs(items, self.tokenizer, offset) if self.kind == "completion" else chat_logprobs(
             items, self.tokenizer)
 
     def add(self, item: dict, prompt: int = 0) -> list[dict]:
@@ -131,7 +135,9 @@ class ResponseBuilder:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _chunk(self, i: int, c: dict) -> dict:
-        lp = self._lp(c["new_logprobs"] or [], len(self.text[i]) - len(c["new_text"]))
+        lp = self._lp(c["new_logprobs"] or [], self._next_offset[i])
+        if self.kind == "completion" and lp is not None and lp["tokens"]:
+            self._next_offset[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if self.kind == "completion":
             choice = {"index": i, "text": c["new_text"], "logprobs": lp}
             obj = "text_completion"

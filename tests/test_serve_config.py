@@ -194,3 +194,33 @@ def test_api_key_and_allowed_origins_overrides_and_the_key_kept_out_of_errors_an
     assert overridden.http.resolved_api_key() == "sk-cli-secret"  # the config's key wins
     monkeypatch.setenv("SPECMOE_API_KEY", "")
     assert config.http.resolved_api_key() is None  # empty: unset
+
+
+def test_the_api_key_never_shows_in_a_repr_of_the_config_yet_still_authenticates(monkeypatch):
+    """A config in a log line, a traceback or an f-string error message must not carry the key:
+    repr, str and rich's pretty repr say that a key is set, never which; the value itself (what
+    the ingress is built from and checks) is unchanged."""
+    import hashlib
+
+    from rich.pretty import pretty_repr
+    from starlette.datastructures import Headers
+
+    from actors.http_access import ApiKeyMiddleware
+    from engine.yaml_config import load_yaml
+
+    key = "sk-never-shown-0123"
+    base = load_yaml("configs/embedded.yaml", ServeConfig)
+    config = msgspec.convert({**msgspec.to_builtins(base), "http": {"api_key": key}}, ServeConfig)
+    shown = [repr(config), str(config), repr(config.http), str(config.http), pretty_repr(config),
+             f"{config.http!r}", pretty_repr(config.http)]
+    assert all(key not in s for s in shown)
+    assert all("api_key='<redacted>'" in s for s in shown[:4]), shown[2]
+    assert "api_key=None" in repr(base.http)  # unset keys still say so
+    assert repr(config.http).startswith("HttpConfig(host='127.0.0.1', port=8000, ")
+    # the key itself is intact: as the ingress gets it (to_builtins) and as it checks it
+    assert msgspec.to_builtins(config)["http"]["api_key"] == key == config.http.resolved_api_key()
+    guard = ApiKeyMiddleware(None, hashlib.sha256(config.http.resolved_api_key().encode()).digest())
+    assert guard.authorized(Headers({"authorization": f"Bearer {key}"}))
+    assert not guard.authorized(Headers({"authorization": "Bearer <redacted>"}))
+    monkeypatch.setenv("SPECMOE_API_KEY", key)  # from the environment: never part of the repr at all
+    assert key not in repr(base) and base.http.resolved_api_key() == key

@@ -1,10 +1,12 @@
 """vLLM's --api-key and CORS options on the ingress deployment's own app (its routes and its
 ``__serve_build_asgi_app__``, driven without Ray): 401 in OpenAI's shape for the /v1 routes,
-/tokenize and /detokenize without the key, /health and /metrics open, the key never in a response
-or a log line; CORS headers only with http.allowed_origins."""
+/tokenize and /detokenize without the key, /health, /metrics and /version open, the key never in a
+response or a log line; CORS headers only with http.allowed_origins."""
 
 import asyncio
 import logging
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -108,3 +110,15 @@ def test_cors_with_allowed_origins_and_its_headers_on_a_401(monkeypatch):
     assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == ORIGIN
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
     assert "POST" in pre.headers["access-control-allow-methods"]
+
+
+def test_version_is_the_installed_packages_and_open_without_the_key(monkeypatch):
+    """vLLM's ``GET /version``: ``{"version": ...}``, outside the key check as all but ``/v1`` are
+    in vLLM (a probe or a dashboard asks it with no key)."""
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    want = re.search(r'^version = "([^"]+)"$', pyproject, re.M).group(1)
+    without_key, with_key, wrong_key = _requests({"api_key": KEY}, [
+        ("GET", "/version", {}), ("GET", "/version", {"Authorization": f"Bearer {KEY}"}),
+        ("GET", "/version", {"Authorization": "Bearer sk-wrong-key"})], monkeypatch)
+    for r in (without_key, with_key, wrong_key):
+        assert (r.status_code, r.json()) == (200, {"version": want})

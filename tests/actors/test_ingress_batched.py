@@ -21,7 +21,8 @@ from tests.actors.conftest import DRAFT, MODEL_NAME, TARGET
 from tests.actors.test_ingress_failures import FakeStream, FakeVerifier, _step
 from tests.helpers.local_verifier import LocalVerifier
 
-PROMPTS = ["def fibonacci(n):", "import os\n", [100, 5, 17, 42, 9]]
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n"]
+TOKEN_PROMPTS = [[100, 5, 17, 42, 9], [7, 300, 12], [64, 65, 66, 67]]  # a batch of token-id lists
 GREEDY = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
@@ -64,12 +65,13 @@ def _events(text: str) -> list:
 
 
 @pytest.mark.timeout(300)
-def test_a_batch_answers_each_prompt_as_alone_with_choices_indexed_prompt_times_n_plus_j(local):
+@pytest.mark.parametrize("prompts", [PROMPTS, TOKEN_PROMPTS], ids=["strings", "token_ids"])
+def test_a_batch_answers_each_prompt_as_alone_with_choices_indexed_prompt_times_n_plus_j(local, prompts):
     server, app, verifier = local
-    alone = _post(app, *({**GREEDY, "prompt": p} for p in PROMPTS))
+    alone = _post(app, *({**GREEDY, "prompt": p} for p in prompts))
     assert [r.status_code for r in alone] == [200] * 3
     verifier.calls.clear()
-    batch, = _post(app, {**GREEDY, "prompt": PROMPTS, "n": 2})
+    batch, = _post(app, {**GREEDY, "prompt": prompts, "n": 2})
     assert batch.status_code == 200, batch.text
     body = batch.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3, 4, 5]
@@ -83,8 +85,11 @@ def test_a_batch_answers_each_prompt_as_alone_with_choices_indexed_prompt_times_
                              "total_tokens": prompt_tokens + 36}
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     # one engine request per prompt, each with the request's n and its own request id
-    assert [c[0] for c in verifier.calls][2] == PROMPTS[2] and [c[1]["n"] for c in verifier.calls] == [2, 2, 2]
-    assert [c[2] for c in verifier.calls] == [PROMPTS[0], PROMPTS[1], None]
+    assert [c[1]["n"] for c in verifier.calls] == [2, 2, 2]
+    if prompts is TOKEN_PROMPTS:  # token ids go as they are, with no text
+        assert [(c[0], c[2]) for c in verifier.calls] == [(p, None) for p in prompts]
+    else:
+        assert [c[2] for c in verifier.calls] == prompts
     assert [c[3] for c in verifier.calls] == [f"{body['id']}-{i}" for i in range(3)]
     # each prompt is an engine request in the metrics too (vLLM counts them so)
     finished = server.metrics.registry.get_sample_value(
@@ -114,12 +119,12 @@ def test_a_streamed_batch_interleaves_its_prompts_chunks_and_sends_one_usage_chu
 def test_a_prompt_too_long_fails_the_whole_batch_before_anything_is_submitted(local):
     _, app, verifier = local
     too_long = [5] * 1020
-    r, = _post(app, {**GREEDY, "prompt": ["import os\n", "x = 1\n", too_long]})
+    r, = _post(app, {**GREEDY, "prompt": [[7, 8], [9], too_long]})
     assert r.status_code == 400
     assert r.json()["error"] == {
         "message": "prompt[2]: prompt (1020 tokens) + max_tokens (6) exceeds the context window of 1024 tokens",
         "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}
-    r, = _post(app, {**GREEDY, "prompt": ["import os\n", [5, 70000]]})
+    r, = _post(app, {**GREEDY, "prompt": [[5, 6], [5, 70000]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
     assert r.json()["error"]["message"].startswith("prompt[1]: prompt token ids [70000] are outside")
     r, = _post(app, {**GREEDY, "prompt": ["import os\n", {"a": 1}]})
@@ -186,4 +191,38 @@ def test_a_batch_larger_than_the_server_can_hold_is_a_400_before_anything_is_tok
         "3 prompts x n = 2 is 6 sequences, more than the 5 the server can hold at once")
     assert (r_n.status_code, r_n.json()["error"]["param"]) == (400, "n")
     assert r_n.json()["error"]["message"].startswith("n = 6 is 6 sequences, more than the 5")
+    assert verifier.calls == []
+
+
+@pytest.mark.timeout(60)
+def test_a_one_prompt_batch_names_its_element_as_longer_batches_do():
+    """``["..."]`` and ``[[ids]]`` are batches: a bad element is ``prompt[0]`` (the message starting
+    ``prompt[0]: ``), as element 1 of a longer batch is ``prompt[1]``; a plain prompt stays ``prompt``."""
+    verifier = FakeVerifier()
+    _, app = _app(verifier)
+    chars, vocab, window, plain_vocab = _post(app, *({**GREEDY, "prompt": p} for p in (
+        ["x" * 20000], [[1, 70000]], [[5] * 1020], [1, 70000])))
+    assert (chars.status_code, chars.json()["error"]) == (400, {
+        "message": "prompt[0]: the prompt has 10000 tokens; this model's context window is 1024 tokens",
+        "type": "invalid_request_error", "param": "prompt[0]", "code": "context_length_exceeded"})
+    assert (vocab.status_code, vocab.json()["error"]["param"]) == (400, "prompt[0]")
+    assert vocab.json()["error"]["message"] == "prompt[0]: prompt token ids [70000] are outside the vocabulary [0, 4096)"
+    assert (window.status_code, window.json()["error"]["param"]) == (400, "max_tokens")
+    assert window.json()["error"]["message"].startswith("prompt[0]: prompt (1020 tokens) + max_tokens (6) exceeds")
+    assert (plain_vocab.status_code, plain_vocab.json()["error"]) == (400, {
+        "message": "prompt token ids [70000] are outside the vocabulary [0, 4096)",
+        "type": "invalid_request_error", "param": "prompt", "code": None})
+    assert verifier.calls == []
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_mixing_strings_and_token_id_lists_is_a_400_naming_prompt():
+    """vLLM takes a list of strings or a list of token-id lists, never both in one batch."""
+    verifier = FakeVerifier()
+    _, app = _app(verifier)
+    responses = _post(app, *({**GREEDY, "prompt": p} for p in (["ok", [1, 2]], [[1, 2], "ok", "no"])))
+    for r in responses:
+        assert (r.status_code, r.json()["error"]) == (400, {
+            "message": "'prompt' must be a list of strings or a list of token-id lists, not a mix of both",
+            "type": "invalid_request_error", "param": "prompt", "code": None})
     assert verifier.calls == []

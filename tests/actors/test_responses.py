@@ -48,6 +48,19 @@ def test_text_offsets_are_running_character_offsets_in_streams_and_final_bodies(
     assert final["logprobs"]["text_offset"] == [0, 1, 3, 4]
 
 
+def test_streamed_text_offsets_go_on_from_the_tokens_while_a_stop_strings_partial_match_holds_text_back():
+    """The engine holds back text that may begin a stop string while its tokens already go out:
+    step 2 has tokens b, xy but only the text b; step 3 releases xy with c. The streamed offsets
+    are the final body's, not offsets into the text streamed so far (which gave [1, 2] and [2])."""
+    builder = ResponseBuilder("completion", "m", "cmpl-4", 1, _Tokenizer(), want_logprobs=True)
+    held, released = _item([1, 26]), _item([2], finished=True)
+    held["choices"][0]["new_text"], released["choices"][0]["new_text"] = "b", "xyc"
+    chunks = builder.add(_item([0])) + builder.add(held) + builder.add(released)
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [1, 2], [4]]
+    final = builder.final()["choices"][0]
+    assert (final["text"], final["logprobs"]["text_offset"]) == ("abxyc", [0, 1, 2, 4])
+
+
 def test_a_finished_choice_of_an_n_stream_gets_one_finish_chunk_while_the_others_go_on():
     """The engine reports every choice each step, finished ones again with no tokens: choice 0
     finishes in step 1, choice 1 in step 3."""

@@ -69,6 +69,9 @@ def test_prompt_checks_name_their_parameter(ids, max_tokens, param, code):
     ([[]], "prompt[0]", "must not be empty"), ([""], "prompt[0]", "must not be empty"),
     (["a", 5], "prompt[1]", "must be a string or a list of token ids"),
     (["a", "b", [1.5]], "prompt[2]", "token ids must be integers"), ([[1, 2], [3], []], "prompt[2]", "must not be empty"),
+    # Every element fine on its own, but strings and token-id lists in one batch (vLLM refuses it too).
+    (["a", [4, 5]], "prompt", "a list of strings or a list of token-id lists, not a mix"),
+    ([[4, 5], "a"], "prompt", "a list of strings or a list of token-id lists, not a mix"),
 ])
 def test_a_bad_prompt_of_a_batch_is_named_by_its_position(prompt, param, message):
     # A list that is not token ids is a batch: each element a string or a list of token ids.
@@ -79,11 +82,12 @@ def test_a_bad_prompt_of_a_batch_is_named_by_its_position(prompt, param, message
 
 @pytest.mark.parametrize(("prompt", "prompts"), [
     ("x", ["x"]), ([1, 2], [[1, 2]]), (["a"], ["a"]), (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]]),
-    (["a", [4, 5]], ["a", [4, 5]]),
+    ([[4, 5]], [[4, 5]]),
 ])
 def test_a_flat_list_of_ints_is_one_prompt_and_any_other_list_a_batch(prompt, prompts):
     req = decode_request(msgspec.json.encode({"model": "m", "prompt": prompt}), CompletionRequest)
     assert req.prompts() == prompts
+    assert req.is_batch is (prompt not in ("x", [1, 2]))  # a batch of one too: its errors name prompt[0]
 
 
 def test_nesting_too_deep_for_the_decoder_is_a_400():
