@@ -343,6 +343,8 @@ class IngressServer:
             async with aclosing(interleave(streams, deadline)) as items:  # closed at once if the client leaves
                 async for prompt, item in items:
                     for chunk in self._absorb(builder, prompt, item, tels):
+                        if include_usage:  # OpenAI's: every chunk before the usage chunk says "usage": null
+                            chunk["usage"] = None
                         yield sse(chunk)
             if include_usage:
                 yield sse(builder.usage_chunk())

@@ -135,6 +135,7 @@ def test_request_past_its_timeout_gets_504_and_its_stream_is_cancelled():
     assert stalled.cancelled  # the verifier aborts the request: its KV slots are freed
     events = _sse_events(streamed.text)
     assert streamed.status_code == 200 and events[0]["choices"][0]["text"] == "a"
+    assert "usage" not in events[0]  # no stream_options.include_usage: no usage field (OpenAI's)
     assert events[-2]["error"]["code"] == 504 and events[-1] == "[DONE]"
     assert stalled_sse.cancelled
 
@@ -227,6 +228,7 @@ def test_a_replica_dying_mid_stream_fails_over_with_prompt_plus_emitted_tokens()
     texts = [e["choices"][0]["text"] for e in events if e != "[DONE]" and e.get("choices")]
     assert texts == ["a", "b", "c", "d"] and events[-1] == "[DONE]"  # no duplicate, no gap
     assert events[-2]["usage"]["completion_tokens"] == 4
+    assert all("usage" in e and e["usage"] is None for e in events[:-2])  # OpenAI's null before the last
     assert events[-2]["usage"]["prompt_tokens"] == len(verifier.calls[0][0])
     (ids, params, text, *_), (ids2, params2, text2, *_) = verifier.calls
     assert ids2 == ids + [11, 12] and params2["max_tokens"] == 2 and params["max_tokens"] == 4
