@@ -2,8 +2,8 @@
 
 One renderer for both entry points: the HTTP ingress (``/v1/chat/completions``) and the offline
 ``LLM.chat``. Messages are OpenAI's shape, ``{"role": str, "content": str | [text parts] | None}``;
-the template sees each as ``{"role", "content"}`` with the text parts joined, as transformers'
-``apply_chat_template`` is given them.
+the template sees each as ``{"role", "content"}`` with the text parts joined by newlines, as vLLM
+gives them to transformers' ``apply_chat_template``.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def _raise_exception(message: str):
 
 
 def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
-    """A message's text: the string itself, or its text content parts joined (``[{"type": "text",
-    "text": str}, ...]``, OpenAI's parts); None is empty.
+    """A message's text: the string itself, or its text content parts (``[{"type": "text", "text":
+    str}, ...]``, OpenAI's parts) joined by newlines; None is empty.
 
     Raises:
         RequestError: a part that is not text, or a text part without a string ``text`` (param
@@ -92,7 +92,9 @@ def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
         if not isinstance(part.get("text"), str):
             raise RequestError("a text content part needs a string 'text'", "messages")
         parts.append(part["text"])
-    return "".join(parts)
+    # vLLM's join (its "string" content format), so that a conversation of parts is the same prompt
+    # here as on vLLM; joined with nothing between them, one part's last word ran into the next's.
+    return "\n".join(parts)
 
 
 class ChatTemplate:

@@ -50,6 +50,12 @@ def test_no_template_uses_the_plain_one():
     assert chat.render(MESSAGES) == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
 
 
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
+    parts = [{"type": "text", "text": "Write a function"}, {"type": "text", "text": " that reverses a list."}]
+    assert ChatTemplate(None).render([{"role": "user", "content": parts}]) == (
+        "<|user|>\nWrite a function\n that reverses a list.\n<|assistant|>\n")
+
+
 def test_a_template_refusal_is_a_400_naming_messages():
     with pytest.raises(RequestError, match="chat template error") as err:
         ChatTemplate(CHATML).render([{"role": "tool", "content": "x"}])
