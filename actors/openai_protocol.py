@@ -236,6 +236,9 @@ def _looks_like_token_ids(value: list) -> bool:
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    # Decoded (any shape) so that the chat template refuses a history of tool calls by name rather
+    # than render it without them.
+    tool_calls: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -292,8 +295,8 @@ def check_messages(messages: list[ChatMessage]) -> None:
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
     """The messages as a chat template takes them (:meth:`engine.chat_template.ChatTemplate.render`,
-    which joins their text parts and refuses the others)."""
-    return [{"role": m.role, "content": m.content} for m in messages]
+    which joins their text parts and refuses the others, and tool calls and results)."""
+    return [msgspec.structs.asdict(m) for m in messages]
 
 
 def unknown_model(requested: str, served: str) -> ProtocolError:

@@ -3,7 +3,8 @@
 One renderer for both entry points: the HTTP ingress (``/v1/chat/completions``) and the offline
 ``LLM.chat``. Messages are OpenAI's shape, ``{"role": str, "content": str | [text parts] | None}``;
 the template sees each as ``{"role", "content"}`` with the text parts joined by newlines, as vLLM
-gives them to transformers' ``apply_chat_template``.
+gives them to transformers' ``apply_chat_template``. A tool call or a tool's result in the history is
+refused (this server implements no tools).
 """
 
 from __future__ import annotations
@@ -67,6 +68,32 @@ def read_chat_template(path: Path) -> ChatTemplateSource:
 
 def _token_text(token: Any) -> str:
     return token.get("content", "") if isinstance(token, dict) else token if isinstance(token, str) else ""
+
+
+# A tool-calling conversation's parts: the role of a tool's result, and the assistant turn's field
+# that carries its calls. This server implements no tools, and a template is given only each
+# message's role and text, so these would render as something else (an empty assistant turn, a
+# result with no call before it): they are refused, by name, instead.
+TOOL_RESULT_ROLES = {"tool": "a tool's result"}
+TOOL_CALL_FIELDS = {"tool_calls": "tool calls"}
+
+
+def _refuse_tool_turns(message: Mapping[str, Any], i: int) -> None:
+    """Raises:
+        RequestError: message ``i`` is a tool's result (param ``messages[i].role``) or carries tool
+            calls (``messages[i].tool_calls``).
+    """
+    role = message["role"]
+    if role in TOOL_RESULT_ROLES:
+        _refuse_tools(f"messages[{i}].role", f"a {role!r} message ({TOOL_RESULT_ROLES[role]})")
+    for field, what in TOOL_CALL_FIELDS.items():
+        if message.get(field):  # null or empty: no call
+            _refuse_tools(f"messages[{i}].{field}", what)
+
+
+def _refuse_tools(param: str, what: str) -> None:
+    raise RequestError(f"{param}: {what} cannot be rendered: this server implements no tools (tool definitions "
+                       "are only accepted with tool_choice \"none\")", param)
 
 
 def _raise_exception(message: str):
@@ -136,12 +163,14 @@ class ChatTemplate:
 
         Raises:
             RequestError: a malformed message, or the template refusing the conversation (its
-                ``raise_exception``), param ``messages``.
+                ``raise_exception``), param ``messages``; a tool call or result, param
+                ``messages[i].tool_calls`` or ``messages[i].role``.
         """
         msgs = []
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise RequestError(f"each message must be a dict with a string 'role', got {m!r:.60}", "messages")
+            _refuse_tool_turns(m, i)
             msgs.append({"role": m["role"], "content": message_text(m.get("content"))})
         try:
             return self._template.render({**template_kwargs, "messages": msgs,

@@ -89,3 +89,18 @@ def test_bad_input_answers_openai_errors():
     assert neither.json()["error"]["message"] == "send either 'prompt' or 'messages'"
     assert (both.status_code, both.json()["error"]["param"]) == (400, "messages")
     assert (no_content.status_code, no_content.json()["error"]["param"]) == (400, "messages")
+
+
+def test_a_history_with_tool_calls_is_a_400_from_both_routes_before_anything_is_submitted():
+    call = {"id": "call_1", "type": "function", "function": {"name": "sort", "arguments": "{}"}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    app, verifier = _app()
+    verifier.streams = [FakeStream([_step("a", finish="length")])]  # were it submitted, it would end at once
+    chat, tok = _post(app, ("/v1/chat/completions", {"model": MODEL_NAME, "messages": history}),
+                      ("/tokenize", {"model": MODEL_NAME, "messages": history}))
+    assert chat.status_code == tok.status_code == 400 and chat.json() == tok.json()
+    assert chat.json()["error"] == {
+        "message": "messages[2].tool_calls: tool calls cannot be rendered: this server implements no tools "
+                   "(tool definitions are only accepted with tool_choice \"none\")",
+        "type": "invalid_request_error", "param": "messages[2].tool_calls", "code": None}
+    assert verifier.calls == []
