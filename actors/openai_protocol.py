@@ -234,11 +234,13 @@ def _looks_like_token_ids(value: list) -> bool:
 
 
 class ChatMessage(msgspec.Struct):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # "function" (OpenAI's legacy tool result) is decoded so that it is refused as a tool result.
+    role: Literal["system", "user", "assistant", "tool", "function", "developer"]
     content: str | list[dict] | None = None
     # Decoded (any shape) so that the chat template refuses a history of tool calls by name rather
     # than render it without them.
     tool_calls: Any = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

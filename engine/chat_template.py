@@ -71,17 +71,17 @@ def _token_text(token: Any) -> str:
 
 
 # A tool-calling conversation's parts: the role of a tool's result, and the assistant turn's field
-# that carries its calls. This server implements no tools, and a template is given only each
+# that carries its calls (each also in OpenAI's legacy functions form). This server implements no tools, and a template is given only each
 # message's role and text, so these would render as something else (an empty assistant turn, a
 # result with no call before it): they are refused, by name, instead.
-TOOL_RESULT_ROLES = {"tool": "a tool's result"}
-TOOL_CALL_FIELDS = {"tool_calls": "tool calls"}
+TOOL_RESULT_ROLES = {"tool": "a tool's result", "function": "a function's result, OpenAI's legacy form"}
+TOOL_CALL_FIELDS = {"tool_calls": "tool calls", "function_call": "a function call, OpenAI's legacy form"}
 
 
 def _refuse_tool_turns(message: Mapping[str, Any], i: int) -> None:
     """Raises:
-        RequestError: message ``i`` is a tool's result (param ``messages[i].role``) or carries tool
-            calls (``messages[i].tool_calls``).
+        RequestError: message ``i`` is a tool's or function's result (param ``messages[i].role``)
+            or carries calls (``messages[i].tool_calls`` or ``messages[i].function_call``).
     """
     role = message["role"]
     if role in TOOL_RESULT_ROLES:
@@ -163,8 +163,8 @@ class ChatTemplate:
 
         Raises:
             RequestError: a malformed message, or the template refusing the conversation (its
-                ``raise_exception``), param ``messages``; a tool call or result, param
-                ``messages[i].tool_calls`` or ``messages[i].role``.
+                ``raise_exception``), param ``messages``; a tool or function call or result, param
+                ``messages[i].tool_calls``, ``messages[i].function_call`` or ``messages[i].role``.
         """
         msgs = []
         for i, m in enumerate(messages):

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 
 from engine.loader import load_tokenizer
@@ -91,16 +92,24 @@ def test_bad_input_answers_openai_errors():
     assert (no_content.status_code, no_content.json()["error"]["param"]) == (400, "messages")
 
 
-def test_a_history_with_tool_calls_is_a_400_from_both_routes_before_anything_is_submitted():
-    call = {"id": "call_1", "type": "function", "function": {"name": "sort", "arguments": "{}"}}
-    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "sort", "arguments": "{}"}}
+NO_TOOLS = "cannot be rendered: this server implements no tools (tool definitions are only accepted with tool_choice \"none\")"
+
+
+@pytest.mark.parametrize(("turn", "param", "message"), [
+    ({"role": "assistant", "content": None, "tool_calls": [CALL]}, "messages[2].tool_calls",
+     f"messages[2].tool_calls: tool calls {NO_TOOLS}"),
+    # Legacy functions, turned off as README allows: a function's result is a tool result all the same.
+    ({"role": "function", "name": "sort", "content": "[1, 2]"}, "messages[2].role",
+     f"messages[2].role: a 'function' message (a function's result, OpenAI's legacy form) {NO_TOOLS}"),
+])
+def test_a_history_with_tool_calls_is_a_400_from_both_routes_before_anything_is_submitted(turn, param, message):
+    history = [*MESSAGES, turn]
+    functions = {"functions": [{"name": "sort", "parameters": {}}], "function_call": "none"}
     app, verifier = _app()
     verifier.streams = [FakeStream([_step("a", finish="length")])]  # were it submitted, it would end at once
-    chat, tok = _post(app, ("/v1/chat/completions", {"model": MODEL_NAME, "messages": history}),
+    chat, tok = _post(app, ("/v1/chat/completions", {"model": MODEL_NAME, "messages": history, **functions}),
                       ("/tokenize", {"model": MODEL_NAME, "messages": history}))
     assert chat.status_code == tok.status_code == 400 and chat.json() == tok.json()
-    assert chat.json()["error"] == {
-        "message": "messages[2].tool_calls: tool calls cannot be rendered: this server implements no tools "
-                   "(tool definitions are only accepted with tool_choice \"none\")",
-        "type": "invalid_request_error", "param": "messages[2].tool_calls", "code": None}
+    assert chat.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
     assert verifier.calls == []

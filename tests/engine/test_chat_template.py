@@ -78,6 +78,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "reverse", "arg
     ({"role": "assistant", "content": None, "tool_calls": [CALL]}, "messages[1].tool_calls"),
     ({"role": "assistant", "content": "Calling reverse.", "tool_calls": [CALL]}, "messages[1].tool_calls"),
     ({"role": "tool", "tool_call_id": "call_1", "content": "[2, 1]"}, "messages[1].role"),
+    ({"role": "assistant", "content": None, "function_call": CALL["function"]}, "messages[1].function_call"),
+    ({"role": "function", "name": "reverse", "content": "[2, 1]"}, "messages[1].role"),
 ])
 def test_a_tool_call_or_result_in_the_history_is_refused_by_name(turn, param):
     # The template sees only role and text: the call would be an empty or plain assistant turn.
@@ -89,7 +91,7 @@ def test_a_tool_call_or_result_in_the_history_is_refused_by_name(turn, param):
 
 def test_an_empty_or_null_tool_calls_is_no_call():
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": []},
-             {"role": "user", "content": "bye", "tool_calls": None}]
+             {"role": "user", "content": "bye", "tool_calls": None, "function_call": None}]
     assert ChatTemplate(None).render(turns) == "<|user|>\nhi\n<|assistant|>\nhello\n<|user|>\nbye\n<|assistant|>\n"
 
 
