@@ -101,23 +101,27 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
-def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
+def message_text(content: str | Sequence[Mapping[str, Any]] | None, param: str) -> str:
     """A message's text: the string itself, or its text content parts (``[{"type": "text", "text":
     str}, ...]``, OpenAI's parts) joined by newlines; None is empty.
 
+    Args:
+        param: the content's name in errors (``messages[i].content``).
+
     Raises:
         RequestError: a part that is not text, or a text part without a string ``text`` (param
-            ``messages``).
+            ``{param}[j]``, the part).
     """
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
         if not isinstance(part, Mapping) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise RequestError(f"only text content parts are supported, got type {kind!r}", "messages")
+            raise RequestError(f"{where}: only text content parts are supported, got type {kind!r}", where)
         if not isinstance(part.get("text"), str):
-            raise RequestError("a text content part needs a string 'text'", "messages")
+            raise RequestError(f"{where}: a text content part needs a string 'text'", where)
         parts.append(part["text"])
     # vLLM's join (its "string" content format), so that a conversation of parts is the same prompt
     # here as on vLLM; joined with nothing between them, one part's last word ran into the next's.
@@ -162,16 +166,17 @@ class ChatTemplate:
             template_kwargs: further template variables (vLLM's ``chat_template_kwargs``).
 
         Raises:
-            RequestError: a malformed message, or the template refusing the conversation (its
-                ``raise_exception``), param ``messages``; a tool or function call or result, param
-                ``messages[i].tool_calls``, ``messages[i].function_call`` or ``messages[i].role``.
+            RequestError: the template refusing the conversation (its ``raise_exception``), param
+                ``messages``; a malformed message, a tool or function call or result, param naming
+                it (``messages[i].role``, ``messages[i].content[j]``, ``messages[i].tool_calls``).
         """
         msgs = []
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                raise RequestError(f"each message must be a dict with a string 'role', got {m!r:.60}", "messages")
+                where = f"messages[{i}].role" if isinstance(m, Mapping) else f"messages[{i}]"
+                raise RequestError(f"{where}: each message must be a dict with a string 'role', got {m!r:.60}", where)
             _refuse_tool_turns(m, i)
-            msgs.append({"role": m["role"], "content": message_text(m.get("content"))})
+            msgs.append({"role": m["role"], "content": message_text(m.get("content"), f"messages[{i}].content")})
         try:
             return self._template.render({**template_kwargs, "messages": msgs,
                                           "add_generation_prompt": add_generation_prompt, **self._special})

@@ -82,14 +82,14 @@ def test_bad_input_answers_openai_errors():
     assert oov.status_code == 400
     assert oov.json()["error"] == {"message": "token ids [70000, -1] are outside the vocabulary [0, 4096)",
                                    "type": "invalid_request_error", "param": "tokens", "code": None}
-    assert (not_ints.status_code, not_ints.json()["error"]["param"]) == (400, "tokens")
+    assert (not_ints.status_code, not_ints.json()["error"]["param"]) == (400, "tokens[0]")
     assert other_model.status_code == 404
     assert other_model.json()["error"] == {"message": f"The model 'gpt-4' does not exist (serving '{MODEL_NAME}')",
                                            "type": "not_found_error", "param": "model", "code": "model_not_found"}
     assert (neither.status_code, neither.json()["error"]["param"]) == (400, "prompt")
     assert neither.json()["error"]["message"] == "send either 'prompt' or 'messages'"
     assert (both.status_code, both.json()["error"]["param"]) == (400, "messages")
-    assert (no_content.status_code, no_content.json()["error"]["param"]) == (400, "messages")
+    assert (no_content.status_code, no_content.json()["error"]["param"]) == (400, "messages[0].content")
 
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "sort", "arguments": "{}"}}
@@ -113,3 +113,19 @@ def test_a_history_with_tool_calls_is_a_400_from_both_routes_before_anything_is_
     assert chat.status_code == tok.status_code == 400 and chat.json() == tok.json()
     assert chat.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
     assert verifier.calls == []
+
+
+def test_a_bad_message_is_named_by_its_index():
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    bad_part = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    bad_role = [*MESSAGES, {"role": "wizard", "content": "x"}]
+    app, verifier = _app()
+    verifier.streams = [FakeStream([_step("a", finish="length")]) for _ in range(2)]  # were they submitted
+    part, role = _post(app, ("/v1/chat/completions", {"model": MODEL_NAME, "messages": bad_part}),
+                       ("/v1/chat/completions", {"model": MODEL_NAME, "messages": bad_role}))
+    assert part.status_code == role.status_code == 400 and verifier.calls == []
+    assert part.json()["error"] == {
+        "message": "messages[0].content[1]: only text content parts are supported, got type 'image_url'",
+        "type": "invalid_request_error", "param": "messages[0].content[1]", "code": None}
+    assert role.json()["error"]["param"] == "messages[2].role"
+    assert "Invalid enum value 'wizard'" in role.json()["error"]["message"]
