@@ -304,7 +304,7 @@ def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfi
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/embedded.yaml", help="YAML ServeConfig")
+    parser.add_argument("--config", default="configs/embedded.yaml", help="YAML ServeConfig (default: %(default)s)")
     parser.add_argument("--host", help="override http.host")
     parser.add_argument("--port", type=int, help="override http.port")
     parser.add_argument("--api-key", help=f"override http.api_key (else ${API_KEY_ENV}): the /v1 routes, /tokenize "

@@ -241,8 +241,13 @@ def _looks_like_token_ids(value: list) -> bool:
 
 
 class ChatMessage(msgspec.Struct):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # "function" (OpenAI's legacy tool result) is decoded so that it is refused as a tool result.
+    role: Literal["system", "user", "assistant", "tool", "function", "developer"]
     content: str | list[dict] | None = None
+    # Decoded (any shape) so that the chat template refuses a history of tool calls by name rather
+    # than render it without them.
+    tool_calls: Any = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -288,19 +293,19 @@ def check_messages(messages: list[ChatMessage]) -> None:
     """A conversation: at least one message, each with content unless it is an assistant turn.
 
     Raises:
-        ProtocolError: 400 naming ``messages``.
+        ProtocolError: 400 naming ``messages``, or ``messages[i].content`` for a message without it.
     """
     if not messages:
         raise ProtocolError("'messages' must not be empty", "messages")
     for i, message in enumerate(messages):  # only an assistant turn may omit its content
         if message.content is None and message.role != "assistant":
-            raise ProtocolError(f"messages[{i}] ({message.role}) has no 'content'", "messages")
+            raise ProtocolError(f"messages[{i}] ({message.role}) has no 'content'", f"messages[{i}].content")
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
     """The messages as a chat template takes them (:meth:`engine.chat_template.ChatTemplate.render`,
-    which joins their text parts and refuses the others)."""
-    return [{"role": m.role, "content": m.content} for m in messages]
+    which joins their text parts and refuses the others, and tool calls and results)."""
+    return [msgspec.structs.asdict(m) for m in messages]
 
 
 def unknown_model(requested: str, served: str) -> ProtocolError:
@@ -313,13 +318,16 @@ RequestT = TypeVar("RequestT", bound=msgspec.Struct)
 
 
 def _error_param(message: str) -> str | None:
-    """The top-level field a msgspec validation message is about: its path's first name
-    (``... - at `$.messages[0].role` `` -> ``messages``), or the missing field of the body itself
-    (``Object missing required field `model` `` -> ``model``)."""
-    if "$." in message:
-        return message.rsplit("$.", 1)[-1].split("[")[0].split(".")[0].rstrip("`")
+    """The field a msgspec validation message is about, as its path in the body, so that an element
+    of a list is named and not only the list (``... - at `$.messages[2].role` `` -> ``messages[2].role``),
+    a missing field included (``Object missing required field `role` - at `$.messages[0]` `` ->
+    ``messages[0].role``; ``Object missing required field `model` `` -> ``model``)."""
+    at = re.search(r"- at `\$\.?([^`]*)`", message)
+    path = at.group(1) if at else ""
     missing = re.search(r"missing required field `([^`]+)`", message)
-    return missing.group(1) if missing else None
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
 
 
 def decode_request(body: bytes, schema: type[RequestT]) -> RequestT:

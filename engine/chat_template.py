@@ -2,8 +2,9 @@
 
 One renderer for both entry points: the HTTP ingress (``/v1/chat/completions``) and the offline
 ``LLM.chat``. Messages are OpenAI's shape, ``{"role": str, "content": str | [text parts] | None}``;
-the template sees each as ``{"role", "content"}`` with the text parts joined, as transformers'
-``apply_chat_template`` is given them.
+the template sees each as ``{"role", "content"}`` with the text parts joined by newlines, as vLLM
+gives them to transformers' ``apply_chat_template``. A tool call or a tool's result in the history is
+refused (this server implements no tools).
 """
 
 from __future__ import annotations
@@ -69,30 +70,62 @@ def _token_text(token: Any) -> str:
     return token.get("content", "") if isinstance(token, dict) else token if isinstance(token, str) else ""
 
 
+# A tool-calling conversation's parts: the role of a tool's result, and the assistant turn's field
+# that carries its calls (each also in OpenAI's legacy functions form). This server implements no tools, and a template is given only each
+# message's role and text, so these would render as something else (an empty assistant turn, a
+# result with no call before it): they are refused, by name, instead.
+TOOL_RESULT_ROLES = {"tool": "a tool's result", "function": "a function's result, OpenAI's legacy form"}
+TOOL_CALL_FIELDS = {"tool_calls": "tool calls", "function_call": "a function call, OpenAI's legacy form"}
+
+
+def _refuse_tool_turns(message: Mapping[str, Any], i: int) -> None:
+    """Raises:
+        RequestError: message ``i`` is a tool's or function's result (param ``messages[i].role``)
+            or carries calls (``messages[i].tool_calls`` or ``messages[i].function_call``).
+    """
+    role = message["role"]
+    if role in TOOL_RESULT_ROLES:
+        _refuse_tools(f"messages[{i}].role", f"a {role!r} message ({TOOL_RESULT_ROLES[role]})")
+    for field, what in TOOL_CALL_FIELDS.items():
+        if message.get(field):  # null or empty: no call
+            _refuse_tools(f"messages[{i}].{field}", what)
+
+
+def _refuse_tools(param: str, what: str) -> None:
+    raise RequestError(f"{param}: {what} cannot be rendered: this server implements no tools (tool definitions "
+                       "are only accepted with tool_choice \"none\")", param)
+
+
 def _raise_exception(message: str):
     """transformers' ``raise_exception`` for templates: refuses the conversation with ``message``."""
     raise TemplateError(message)
 
 
-def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
-    """A message's text: the string itself, or its text content parts joined (``[{"type": "text",
-    "text": str}, ...]``, OpenAI's parts); None is empty.
+def message_text(content: str | Sequence[Mapping[str, Any]] | None, param: str) -> str:
+    """A message's text: the string itself, or its text content parts (``[{"type": "text", "text":
+    str}, ...]``, OpenAI's parts) joined by newlines; None is empty.
+
+    Args:
+        param: the content's name in errors (``messages[i].content``).
 
     Raises:
         RequestError: a part that is not text, or a text part without a string ``text`` (param
-            ``messages``).
+            ``{param}[j]``, the part).
     """
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
         if not isinstance(part, Mapping) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise RequestError(f"only text content parts are supported, got type {kind!r}", "messages")
+            raise RequestError(f"{where}: only text content parts are supported, got type {kind!r}", where)
         if not isinstance(part.get("text"), str):
-            raise RequestError("a text content part needs a string 'text'", "messages")
+            raise RequestError(f"{where}: a text content part needs a string 'text'", where)
         parts.append(part["text"])
-    return "".join(parts)
+    # vLLM's join (its "string" content format), so that a conversation of parts is the same prompt
+    # here as on vLLM; joined with nothing between them, one part's last word ran into the next's.
+    return "\n".join(parts)
 
 
 class ChatTemplate:
@@ -133,14 +166,17 @@ class ChatTemplate:
             template_kwargs: further template variables (vLLM's ``chat_template_kwargs``).
 
         Raises:
-            RequestError: a malformed message, or the template refusing the conversation (its
-                ``raise_exception``), param ``messages``.
+            RequestError: the template refusing the conversation (its ``raise_exception``), param
+                ``messages``; a malformed message, a tool or function call or result, param naming
+                it (``messages[i].role``, ``messages[i].content[j]``, ``messages[i].tool_calls``).
         """
         msgs = []
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                raise RequestError(f"each message must be a dict with a string 'role', got {m!r:.60}", "messages")
-            msgs.append({"role": m["role"], "content": message_text(m.get("content"))})
+                where = f"messages[{i}].role" if isinstance(m, Mapping) else f"messages[{i}]"
+                raise RequestError(f"{where}: each message must be a dict with a string 'role', got {m!r:.60}", where)
+            _refuse_tool_turns(m, i)
+            msgs.append({"role": m["role"], "content": message_text(m.get("content"), f"messages[{i}].content")})
         try:
             return self._template.render({**template_kwargs, "messages": msgs,
                                           "add_generation_prompt": add_generation_prompt, **self._special})

@@ -12,6 +12,15 @@ import pytest
 import serve_app
 
 
+def test_help_shows_the_default_config(capsys):
+    with pytest.raises(SystemExit) as done:
+        serve_app.main(["--help"])
+    assert done.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert "--config CONFIG YAML ServeConfig (default: configs/embedded.yaml)" in help_text
+    assert "default: None" not in help_text  # the overrides' default is the config's value, not None
+
+
 def test_missing_checkpoint_is_a_clear_startup_error(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model_name: m\nengine:\n  model: does/not/exist\n")

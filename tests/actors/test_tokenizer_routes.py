@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 
 from engine.loader import load_tokenizer
@@ -81,11 +82,50 @@ def test_bad_input_answers_openai_errors():
     assert oov.status_code == 400
     assert oov.json()["error"] == {"message": "token ids [70000, -1] are outside the vocabulary [0, 4096)",
                                    "type": "invalid_request_error", "param": "tokens", "code": None}
-    assert (not_ints.status_code, not_ints.json()["error"]["param"]) == (400, "tokens")
+    assert (not_ints.status_code, not_ints.json()["error"]["param"]) == (400, "tokens[0]")
     assert other_model.status_code == 404
     assert other_model.json()["error"] == {"message": f"The model 'gpt-4' does not exist (serving '{MODEL_NAME}')",
                                            "type": "not_found_error", "param": "model", "code": "model_not_found"}
     assert (neither.status_code, neither.json()["error"]["param"]) == (400, "prompt")
     assert neither.json()["error"]["message"] == "send either 'prompt' or 'messages'"
     assert (both.status_code, both.json()["error"]["param"]) == (400, "messages")
-    assert (no_content.status_code, no_content.json()["error"]["param"]) == (400, "messages")
+    assert (no_content.status_code, no_content.json()["error"]["param"]) == (400, "messages[0].content")
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "sort", "arguments": "{}"}}
+NO_TOOLS = "cannot be rendered: this server implements no tools (tool definitions are only accepted with tool_choice \"none\")"
+
+
+@pytest.mark.parametrize(("turn", "param", "message"), [
+    ({"role": "assistant", "content": None, "tool_calls": [CALL]}, "messages[2].tool_calls",
+     f"messages[2].tool_calls: tool calls {NO_TOOLS}"),
+    # Legacy functions, turned off as README allows: a function's result is a tool result all the same.
+    ({"role": "function", "name": "sort", "content": "[1, 2]"}, "messages[2].role",
+     f"messages[2].role: a 'function' message (a function's result, OpenAI's legacy form) {NO_TOOLS}"),
+])
+def test_a_history_with_tool_calls_is_a_400_from_both_routes_before_anything_is_submitted(turn, param, message):
+    history = [*MESSAGES, turn]
+    functions = {"functions": [{"name": "sort", "parameters": {}}], "function_call": "none"}
+    app, verifier = _app()
+    verifier.streams = [FakeStream([_step("a", finish="length")])]  # were it submitted, it would end at once
+    chat, tok = _post(app, ("/v1/chat/completions", {"model": MODEL_NAME, "messages": history, **functions}),
+                      ("/tokenize", {"model": MODEL_NAME, "messages": history}))
+    assert chat.status_code == tok.status_code == 400 and chat.json() == tok.json()
+    assert chat.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    assert verifier.calls == []
+
+
+def test_a_bad_message_is_named_by_its_index():
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    bad_part = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    bad_role = [*MESSAGES, {"role": "wizard", "content": "x"}]
+    app, verifier = _app()
+    verifier.streams = [FakeStream([_step("a", finish="length")]) for _ in range(2)]  # were they submitted
+    part, role = _post(app, ("/v1/chat/completions", {"model": MODEL_NAME, "messages": bad_part}),
+                       ("/v1/chat/completions", {"model": MODEL_NAME, "messages": bad_role}))
+    assert part.status_code == role.status_code == 400 and verifier.calls == []
+    assert part.json()["error"] == {
+        "message": "messages[0].content[1]: only text content parts are supported, got type 'image_url'",
+        "type": "invalid_request_error", "param": "messages[0].content[1]", "code": None}
+    assert role.json()["error"]["param"] == "messages[2].role"
+    assert "Invalid enum value 'wizard'" in role.json()["error"]["message"]

@@ -3,6 +3,7 @@ as transformers reads them, with its special tokens), the documented plain templ
 none, and a template's refusal."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from tests.engine.bundled import TARGET
 
 # A ChatML-style template of the kind Qwen checkpoints ship, with a transformers-style refusal.
 CHATML = (
-    "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -50,14 +52,47 @@ def test_no_template_uses_the_plain_one():
     assert chat.render(MESSAGES) == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
 
 
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
+    parts = [{"type": "text", "text": "Write a function"}, {"type": "text", "text": " that reverses a list."}]
+    assert ChatTemplate(None).render([{"role": "user", "content": parts}]) == (
+        "<|user|>\nWrite a function\n that reverses a list.\n<|assistant|>\n")
+
+
+LATE_SYSTEM = [{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]
+
+
 def test_a_template_refusal_is_a_400_naming_messages():
-    with pytest.raises(RequestError, match="chat template error") as err:
-        ChatTemplate(CHATML).render([{"role": "tool", "content": "x"}])
+    with pytest.raises(RequestError, match="chat template error: System message must be at the beginning") as err:
+        ChatTemplate(CHATML).render(LATE_SYSTEM)
     assert err.value.param == "messages"
     with pytest.raises(ProtocolError, match="chat template error") as http:  # what the ingress answers
         with protocol_errors():
-            ChatTemplate(CHATML).render([{"role": "tool", "content": "x"}])
+            ChatTemplate(CHATML).render(LATE_SYSTEM)
     assert (http.value.status, http.value.param) == (400, "messages")
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "reverse", "arguments": "{\"xs\": [1, 2]}"}}
+
+
+@pytest.mark.parametrize(("turn", "param"), [
+    ({"role": "assistant", "content": None, "tool_calls": [CALL]}, "messages[1].tool_calls"),
+    ({"role": "assistant", "content": "Calling reverse.", "tool_calls": [CALL]}, "messages[1].tool_calls"),
+    ({"role": "tool", "tool_call_id": "call_1", "content": "[2, 1]"}, "messages[1].role"),
+    ({"role": "assistant", "content": None, "function_call": CALL["function"]}, "messages[1].function_call"),
+    ({"role": "function", "name": "reverse", "content": "[2, 1]"}, "messages[1].role"),
+])
+def test_a_tool_call_or_result_in_the_history_is_refused_by_name(turn, param):
+    # The template sees only role and text: the call would be an empty or plain assistant turn.
+    for template in (None, CHATML):
+        with pytest.raises(RequestError, match=rf"^{re.escape(param)}: .* this server implements no tools") as err:
+            ChatTemplate(template).render([{"role": "user", "content": "Reverse [1, 2]."}, turn])
+        assert err.value.param == param
+
+
+def test_an_empty_or_null_tool_calls_is_no_call():
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": []},
+             {"role": "user", "content": "bye", "tool_calls": None, "function_call": None}]
+    assert ChatTemplate(None).render(turns) == "<|user|>\nhi\n<|assistant|>\nhello\n<|user|>\nbye\n<|assistant|>\n"
 
 
 # Mixtral-instruct style (user/assistant turns only, the end-of-sequence token after each reply).

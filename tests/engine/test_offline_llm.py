@@ -39,16 +39,17 @@ def test_llm_chat_takes_a_batch_a_template_and_its_variables(llm):
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
 
 
-@pytest.mark.parametrize(("messages", "match"), [
-    ([{"content": "no role"}], "string 'role'"),
-    (["just text"], "a list of message dicts"),
-    ([[{"role": "user", "content": "a"}], "b"], "a list of message dicts"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "got type 'image_url'"),
+@pytest.mark.parametrize(("messages", "match", "param"), [
+    ([{"content": "no role"}], "string 'role'", "messages[0].role"),
+    (["just text"], "a list of message dicts", "messages"),
+    ([[{"role": "user", "content": "a"}], "b"], "a list of message dicts", "messages"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "got type 'image_url'", "messages[1].content[0]"),
 ])
-def test_llm_chat_refuses_a_malformed_conversation_by_name(llm, messages, match):
+def test_llm_chat_refuses_a_malformed_conversation_by_name(llm, messages, match, param):
     with pytest.raises(RequestError, match=match) as err:
         llm.chat(messages)
-    assert err.value.param == "messages"
+    assert err.value.param == param
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -126,7 +126,7 @@ def test_stream_options_without_stream_and_a_message_without_content_are_400s():
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}
         with pytest.raises(ProtocolError, match=r"messages\[1\] \(\w+\) has no 'content'") as e:
             decode_request(msgspec.json.encode(chat), ChatCompletionRequest)
-        assert e.value.param == "messages"
+        assert e.value.param == "messages[1].content"
     # An assistant turn may carry no content (OpenAI: one that made tool calls).
     ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
     assert len(decode_request(msgspec.json.encode(ok), ChatCompletionRequest).messages) == 2
@@ -221,8 +221,13 @@ def test_continuous_usage_stats_is_refused():
 @pytest.mark.parametrize(("body", "schema", "param"), [
     ({"model": 5, "prompt": "x"}, CompletionRequest, "model"), ({"model": "m"}, CompletionRequest, "prompt"),
     ({"model": "m"}, ChatCompletionRequest, "messages"),
-    ({"model": "m", "messages": [{"content": "hi"}]}, ChatCompletionRequest, "messages"),
-    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}}, CompletionRequest, "stream_options"),
+    # The element of a list, not only the list (a missing field named at its path too).
+    ({"model": "m", "messages": [{"content": "hi"}]}, ChatCompletionRequest, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                   {"role": "wizard", "content": "c"}]}, ChatCompletionRequest, "messages[2].role"),
+    ({"messages": [{"role": "user", "content": ["a"]}]}, ChatCompletionRequest, "messages[0].content[0]"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}}, CompletionRequest,
+     "stream_options.include_usage"),
 ])
 def test_a_missing_or_mistyped_field_is_named_in_param(body, schema, param):
     with pytest.raises(ProtocolError) as err:
@@ -238,7 +243,7 @@ def test_a_missing_or_mistyped_field_is_named_in_param(body, schema, param):
 def test_a_bad_content_part_says_what_is_wrong_with_it(part, message):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
     req = decode_request(msgspec.json.encode(body), ChatCompletionRequest)
-    with pytest.raises(ProtocolError, match=message) as err:
+    with pytest.raises(ProtocolError, match=rf"^messages\[0\]\.content\[1\]: {message}") as err:
         with protocol_errors():  # as the ingress renders it
             ChatTemplate(None).render(req.conversation())
-    assert err.value.param == "messages"
+    assert err.value.param == "messages[0].content[1]"
