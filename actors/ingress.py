@@ -282,7 +282,7 @@ class IngressServer:
         except Exception as e:
             _cancel(streams)
             failed = self._failed(e, rid)
-            tels.finish(failed.status)
+            tels.finish(failed.status, failed.code)  # a 503's code: why it was refused
             return failed.response()
         builder = ResponseBuilder(kind, self.model_name, rid, params.n, self.tokenizer, params.logprobs is not None,
                                   num_prompts=len(prompts))
@@ -375,9 +375,9 @@ class Telemetries(list):
         super().__init__(tels)
         self.response_id = response_id
 
-    def finish(self, status: int) -> None:
+    def finish(self, status: int, refusal: str | None = None) -> None:
         for tel in reversed(self):
-            tel.finish(status, self.response_id)
+            tel.finish(status, self.response_id, refusal=refusal)
 
 
 def _cancel(streams: list) -> None:

@@ -268,8 +268,10 @@ class RequestTelemetry:
         except Exception:
             log.debug("request telemetry failed", exc_info=True)
 
-    def finish(self, status: int, response_id: str, reason_if_unfinished: str = "abort") -> None:
-        """Close the request's metrics and spans exactly once (also on abort and errors)."""
+    def finish(self, status: int, response_id: str, reason_if_unfinished: str = "abort",
+               refusal: str | None = None) -> None:
+        """Close the request's metrics and spans exactly once (also on abort and errors);
+        ``refusal``: a 503's error code (``queue_full``, ``ttft_unattainable``; else unavailable)."""
         if self.done:
             return
         self.done = True
@@ -280,7 +282,7 @@ class RequestTelemetry:
             self.tracker.on_finish(reasons[0] if self.usage else reason_if_unfinished, prompt, output,
                                    queue_time_s=self.queue_time_s)
         elif self.tracker is not None and status == 503 and not self.num_tokens:
-            self.tracker.on_refused()  # load shed or unavailable: not a failed request
+            self.tracker.on_refused(refusal)  # load shed or unavailable: not a failed request
         elif self.tracker is not None and status >= 500:
             self.tracker.on_finish("error", 0, 0)  # refused requests (4xx) are not finished requests
         self.trace.end(status, sc.gen_ai_response_attributes(

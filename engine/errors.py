@@ -14,4 +14,8 @@ class CheckpointError(SpecmoeError):
 
 
 class QueueFull(SpecmoeError):
-    """The waiting queue is at ``max_waiting``; retry later (HTTP 503)."""
+    """The waiting queue is at ``max_waiting``; retry later (HTTP 503).
+
+    ``code``: the OpenAI error body's ``code`` and the ``reason`` of ``request_refused_total``."""
+
+    code = "queue_full"

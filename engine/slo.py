@@ -52,6 +52,8 @@ class SLOClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 class DeadlineUnattainable(QueueFull):
     """The request's TTFT budget cannot be met at the current load (HTTP 503 + Retry-After)."""
 
+    code = "ttft_unattainable"
+
 
 def request_slo_met(slo: SLOClass, metrics, num_output_tokens: int) -> bool:
     """Whether a finished request met every budget of its class (``metrics``: RequestMetrics)."""

@@ -23,6 +23,9 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.
 
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Why a request was refused (the engine's QueueFull / DeadlineUnattainable codes; "unavailable": the
+# model server is restarting, gone or stopping).
+REFUSAL_REASONS = ("queue_full", "ttft_unattainable", "unavailable")
 """Finish reasons a request can end with (``error``: the server failed it); their
 ``request_success_total`` series exist at zero from the start, so a dashboard's ``rate()`` has two
 samples as soon as the first request of a kind finishes (Prometheus' advice for known label sets)."""
@@ -72,8 +75,11 @@ class RequestMetrics:
         # near-instant answers stay out of the latency histograms.
         self._refused = Counter(P + "request_refused_total",
                                 "Requests refused with HTTP 503 before any output (a full queue, a TTFT "
-                                "budget that cannot be met, a restarting or stopping server); not finished "
-                                "requests and not in the latency histograms.", m, registry=r).labels(name)
+                                "budget that cannot be met, a restarting or stopping server: the reason "
+                                "label); not finished requests and not in the latency histograms.",
+                                m + ["reason"], registry=r)
+        for reason in REFUSAL_REASONS:
+            self._refused.labels(name, reason)
         self.prompt_tokens = Counter(P + "prompt_tokens_total", "Prompt tokens of finished requests.",
                                      m, registry=r).labels(name)
         self.generation_tokens = Counter(P + "generation_tokens_total", "Output tokens generated.",
@@ -181,10 +187,12 @@ class RequestTracker:
         return True
 
     @safe
-    def on_refused(self) -> None:
-        """The request was refused (HTTP 503) before any output: counted apart from finished ones."""
+    def on_refused(self, reason: str | None = None) -> None:
+        """The request was refused (HTTP 503) before any output, for ``reason`` (one of
+        :data:`REFUSAL_REASONS`; anything else counts as ``unavailable``): counted apart from finished ones."""
         if self._close():
-            self.metrics._refused.inc()
+            self.metrics._refused.labels(self.metrics.model_name,
+                                         reason if reason in REFUSAL_REASONS else "unavailable").inc()
 
     @safe
     def on_finish(self, reason: str, prompt_tokens: int, output_tokens: int, t: float | None = None,

@@ -198,6 +198,7 @@ def test_unattainable_ttft_budget_answers_503_with_retry_after_and_admitted_requ
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     error = refused.json()["error"]
     assert error["type"] == "server_overloaded" and "'instant'" in error["message"] and "TTFT budget" in error["message"]
+    assert error["code"] == "ttft_unattainable"
     assert [r.status_code for r in admitted] == [200] * 4
     assert [r.json()["usage"]["completion_tokens"] for r in admitted] == [24] * 4
     after = _wait_idle(handle)["slo_attainment"]

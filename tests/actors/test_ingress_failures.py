@@ -15,7 +15,9 @@ from ray.exceptions import ActorDiedError
 from actors.config import ServeConfig
 from actors.ingress import IngressServer
 from actors.stream_items import error_item, unavailable_item
+from engine.errors import QueueFull
 from engine.request_ranges import RequestError
+from engine.slo import DeadlineUnattainable
 from tests.actors.conftest import DRAFT, MODEL_NAME, TARGET
 
 BODY = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 8}
@@ -198,6 +200,21 @@ def test_health_answers_503_promptly_while_the_verifier_is_starting(monkeypatch)
     assert (starting.status_code, starting.headers["retry-after"]) == (503, "5") and 0.2 <= waited_s < 2
     assert "not answering within 0.2 s" in starting.json()["error"]["message"]
     assert ready.status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_a_verifier_refusal_is_a_503_whose_code_and_metric_say_why():
+    verifier = FakeVerifier()
+    refusals = [QueueFull("the waiting queue is full"), DeadlineUnattainable("the TTFT budget cannot be met")]
+    verifier.streams = [FakeStream([error_item(e)]) for e in refusals] + [FakeStream([unavailable_item("stopping")])]
+    server, app = _server(verifier)
+    responses = [_run(app, [BODY])[0] for _ in range(3)]
+    assert [(r.status_code, r.headers["retry-after"], r.json()["error"]["code"]) for r in responses] == [
+        (503, "1", "queue_full"), (503, "1", "ttft_unattainable"), (503, "1", None)]
+    counts = {reason: server.metrics.registry.get_sample_value(
+        "specmoe:request_refused_total", {"model_name": MODEL_NAME, "reason": reason})
+        for reason in ("queue_full", "ttft_unattainable", "unavailable")}
+    assert counts == {"queue_full": 1, "ttft_unattainable": 1, "unavailable": 1}
 
 
 @pytest.mark.timeout(60)

@@ -148,6 +148,6 @@ def test_telemetry_counts_a_503_before_any_output_as_refused_not_failed(status, 
                      "choices": [{"index": 0, "new_token_ids": [1, 2], "finish_reason": None}]})
     tel.finish(status, "cmpl-1")
     r = metrics.registry
-    assert r.get_sample_value("specmoe:request_refused_total", {"model_name": "m"}) == refused
+    assert r.get_sample_value("specmoe:request_refused_total", {"model_name": "m", "reason": "unavailable"}) == refused
     assert r.get_sample_value("specmoe:request_success_total",
                               {"model_name": "m", "finished_reason": "error"}) == errors

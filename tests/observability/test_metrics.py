@@ -228,14 +228,20 @@ def test_finish_reason_series_are_exported_at_zero_before_any_request():
     assert value(rm.registry, "specmoe:request_success_total", finished_reason="length") == 1
 
 
-def test_a_refused_request_is_counted_apart_from_finished_ones():
+def test_a_refused_request_is_counted_apart_from_finished_ones_by_reason():
     rm = RequestMetrics("tiny-moe")
-    assert value(rm.registry, "specmoe:request_refused_total") == 0  # exported before any refusal
+    for reason in ("queue_full", "ttft_unattainable", "unavailable"):  # exported before any refusal
+        assert value(rm.registry, "specmoe:request_refused_total", reason=reason) == 0
     rm.track(0.0).on_refused()
     tracker = rm.track(0.0)
-    tracker.on_refused()
+    tracker.on_refused("ttft_unattainable")
     tracker.on_finish("error", 0, 0)  # a second close is ignored
-    assert value(rm.registry, "specmoe:request_refused_total") == 2
+    rm.track(0.0).on_refused("queue_full")
+    rm.track(0.0).on_refused("not_a_reason")  # an unknown code: unavailable, no new label value
+    assert value(rm.registry, "specmoe:request_refused_total", reason="unavailable") == 2
+    assert value(rm.registry, "specmoe:request_refused_total", reason="ttft_unattainable") == 1
+    assert value(rm.registry, "specmoe:request_refused_total", reason="queue_full") == 1
+    assert value(rm.registry, "specmoe:request_refused_total", reason="not_a_reason") is None
     assert value(rm.registry, "specmoe:request_success_total", finished_reason="error") == 0
     assert value(rm.registry, "specmoe:e2e_request_latency_seconds_count") == 0
     assert value(rm.registry, "specmoe:num_requests_waiting") == 0
