@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.serving.host import host_facts
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = str(ROOT / "checkpoints/stdlib-moe-target")
@@ -23,8 +24,9 @@ def load_prompts(n: int, offset: int = 0) -> list[dict]:
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
+    """:func:`benchmarks.serving.host.host_facts` (CPU model, load average) plus torch's version,
+    threads and CUDA device."""
+    return {**host_facts(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

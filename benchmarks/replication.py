@@ -137,7 +137,7 @@ def main() -> None:
         print_table(warm, list(warm[0]))
         print_table(rows, list(rows[0]))
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-        save_json(args.save_result, {"machine": machine(), "load_avg": os.getloadavg(), "args": vars(args),
+        save_json(args.save_result, {"machine": machine(), "args": vars(args),
                                      "warmup": warm, "rows": rows, "summary": summary})
     finally:
         for router in routers.values():

@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # allow `python benchmarks/serve.py`
 from benchmarks.serving.client import RequestOptions  # noqa: E402
 from benchmarks.serving.dataset import DEFAULT_DATASET, load_prompts, sample_prompts  # noqa: E402
 from benchmarks.serving.goodput import SloConfig, load_slo_file, parse_goodput_args  # noqa: E402
+from benchmarks.serving.host import host_facts  # noqa: E402
 from benchmarks.serving.loadgen import LoadShape  # noqa: E402
 from benchmarks.serving.report import (  # noqa: E402
     format_goodput_sweep,
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, failures = asyncio.run(_single(args, options, prompts, warmup)), []
         result = run_to_dict(runs[0])
     if args.save_result:
+        result["machine"] = host_facts()  # the load average over the run's last minutes too
         args.save_result.parent.mkdir(parents=True, exist_ok=True)
         args.save_result.write_text(json.dumps(result, indent=2))
     if args.plot:

@@ -5,6 +5,7 @@ against the scripted stub."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -186,7 +187,9 @@ def test_cli_goodput_sweep_over_request_rates(stub, tmp_path, capsys):
     argv += ["--dataset", str(data), "--num-requests", "4", "--warmup-requests", "0", "--no-progress"]
     argv += ["--goodput", "ttft:5000", "--slo-file", str(slo_file), "--class-burstiness", "completion:0.5"]
     assert main(argv + ["--save-result", str(out), "--plot", str(plots)]) == 0
-    runs = json.loads(out.read_text())["runs"]
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert result["machine"]["num_cpus"] == os.cpu_count() and len(result["machine"]["load_avg"]) == 3
     assert [(r["shape"]["request_rate_per_s"], r["shape"]["class_burstiness"]) for r in runs] == [
         (20.0, {"completion": 0.5}),
         (40.0, {"completion": 0.5}),
