@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import socket
 import statistics
 import sys
@@ -250,7 +249,7 @@ def main() -> None:
                "goal_hedge_over_baseline_p99": 1.3}
     print_table(rows, list(rows[0]))
     print(" ".join(f"{k}={v:.3f}" for k, v in summary.items()))
-    save_json(args.save_result, {"machine": machine(), "load_avg": os.getloadavg(), "args": vars(args), "rows": rows,
+    save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows,
                                  "summary": summary})
 
 

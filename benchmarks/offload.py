@@ -199,14 +199,15 @@ def main() -> None:
         if unit is not None:
             unit.close()
         ray.shutdown()
-    load = os.getloadavg()
+    info = machine()  # its load average is the run's
+    load = info["load_avg"]
     offloaded = [n for n in names if n != "resident"]
     print_table(rows, ["concurrency"] + [f"{n}_tok_per_s" for n in names])
     print_table(rows, ["concurrency"] + [f"{n}_batch_ratio_{k}" for n in offloaded for k in ("median", "iqr")])
     print_table(rows, ["concurrency"] + [f"{n}_hit_rate" for n in offloaded]
                 + [c for c in rows[0] if "_over_" in c])
     print(f"load average after the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    save_json(args.save_result, {"machine": machine(), "load_average": load, "args": vars(args), "rows": rows})
+    save_json(args.save_result, {"machine": info, "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":
