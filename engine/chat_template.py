@@ -71,9 +71,10 @@ def _token_text(token: Any) -> str:
 
 
 # A tool-calling conversation's parts: the role of a tool's result, and the assistant turn's field
-# that carries its calls (each also in OpenAI's legacy functions form). This server implements no tools, and a template is given only each
-# message's role and text, so these would render as something else (an empty assistant turn, a
-# result with no call before it): they are refused, by name, instead.
+# that carries its calls (each also in OpenAI's legacy functions form). This server implements no
+# tools, and a template is given only each message's role and text, so these would render as
+# something else (an empty assistant turn, a result with no call before it): they are refused, by
+# name, instead.
 TOOL_RESULT_ROLES = {"tool": "a tool's result", "function": "a function's result, OpenAI's legacy form"}
 TOOL_CALL_FIELDS = {"tool_calls": "tool calls", "function_call": "a function call, OpenAI's legacy form"}
 
