@@ -8,6 +8,7 @@ a Ray Serve deployment with ``@serve.ingress``.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import time
@@ -51,8 +52,14 @@ from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
 from observability import semconv as sc
 
 log = logging.getLogger(__name__)
+# FastAPI >= 0.165 traces every request itself on OpenTelemetry's global tracer provider, which
+# setup_tracing installs in this replica: its spans were a second trace per request beside the
+# request's own HTTP span (RequestTelemetry), whose trace reaches down to the expert calls.
+_NO_NATIVE_SPANS = ({"telemetry": {"tracing": False, "operation_spans": False}}
+                    if "telemetry" in inspect.signature(FastAPI).parameters else {})
 # No interactive docs: the API is OpenAI's, and every route answers errors in OpenAI's shape.
-app = FastAPI(title="specmoe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
+app = FastAPI(title="specmoe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None,
+              **_NO_NATIVE_SPANS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
