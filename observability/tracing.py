@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -109,6 +110,20 @@ def _sdk_disabled() -> bool:
     return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
+TRACES_EXPORTERS = ("otlp", "console", "none")
+
+
+def traces_exporter() -> str:
+    """``$OTEL_TRACES_EXPORTER`` as the OTel SDK reads it: ``otlp`` (the default: to the
+    endpoint), ``console`` (every span printed to the process's stdout: Ray's worker logs, no
+    collector needed) or ``none``; anything else is ``none``, with a warning."""
+    kind = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() or "otlp"
+    if kind not in TRACES_EXPORTERS:
+        logger.warning("OTEL_TRACES_EXPORTER=%r is not one of %s; tracing disabled", kind, TRACES_EXPORTERS)
+        return "none"
+    return kind
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -158,19 +173,18 @@ def setup_tracing(role: str, config: TracingConfig | None = None, *, set_global:
 
 
 def _build_state(role: str, config: TracingConfig, set_global: bool) -> _State:
-    endpoint = resolve_endpoint(config)
-    if not config.enabled or _sdk_disabled() or endpoint is None:
-        logger.info("tracing disabled for %s (enabled=%s, endpoint=%s)", role, config.enabled, endpoint)
+    endpoint, kind = resolve_endpoint(config), traces_exporter()
+    if not config.enabled or _sdk_disabled() or kind == "none" or (kind == "otlp" and endpoint is None):
+        logger.info("tracing disabled for %s (enabled=%s, exporter=%s, endpoint=%s)", role, config.enabled, kind,
+                    endpoint)
         return _State(enabled=False, role=role, tracer=_NOOP_TRACER)
-    # Imported here so processes that never trace don't pay for the exporter's imports.
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     install_log_rate_limit()
     sampler = None  # None: the SDK reads OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG
     if config.sampler_ratio is not None:
         sampler = ParentBased(TraceIdRatioBased(config.sampler_ratio))
     provider = TracerProvider(resource=_resource(role, config), sampler=sampler, shutdown_on_exit=False)
-    exporter = GuardedExporter(OTLPSpanExporter(endpoint=endpoint, timeout=config.export_timeout_s))
+    exporter = GuardedExporter(_span_exporter(kind, endpoint, config.export_timeout_s))
     provider.add_span_processor(BatchSpanProcessor(
         exporter,
         max_queue_size=config.max_queue_size,
@@ -180,9 +194,21 @@ def _build_state(role: str, config: TracingConfig, set_global: bool) -> _State:
     if set_global and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         trace.set_tracer_provider(provider)
     _register_atexit()
-    logger.info("tracing enabled for %s -> %s", role, endpoint)
+    logger.info("tracing enabled for %s -> %s", role, endpoint if kind == "otlp" else kind)
     return _State(enabled=True, role=role, tracer=provider.get_tracer("specmoe", _version()),
                   provider=provider, exporter=exporter, endpoint=endpoint)
+
+
+def _span_exporter(kind: str, endpoint: str | None, timeout_s: float):
+    """The SDK exporter of ``kind`` (``otlp`` to ``endpoint``, or ``console``)."""
+    if kind == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter(out=sys.stdout)  # today's stdout (the SDK's default is import time's)
+    # Imported here so processes that never trace don't pay for the exporter's imports.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)
 
 
 def _register_atexit() -> None:

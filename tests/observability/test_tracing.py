@@ -26,7 +26,7 @@ from observability import (
 from observability.tracing import resolve_endpoint
 
 ENV_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED",
-            "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG")
+            "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_TRACES_EXPORTER")
 
 
 @pytest.fixture
@@ -158,6 +158,23 @@ def test_env_vars_configure_endpoint_sampler_and_disable(receiver, clean_env):
     assert [s.name for s in receiver.wait_for_spans(1)] == ["sampled"]
     clean_env.setenv("OTEL_SDK_DISABLED", "true")
     assert setup_tracing("ingress", set_global=False) is False
+
+
+def test_otel_traces_exporter_none_console_and_unknown(receiver, clean_env, capsys):
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    clean_env.setenv("OTEL_TRACES_EXPORTER", "none")  # the standard switch: off despite an endpoint
+    assert setup_tracing("ingress", set_global=False) is False
+    assert shutdown_tracing(1.0)  # setup is once per process until shut down
+    clean_env.setenv("OTEL_TRACES_EXPORTER", "zipkin")  # not one this server has: off, not an error
+    assert setup_tracing("ingress", set_global=False) is False
+    assert shutdown_tracing(1.0)
+    clean_env.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    clean_env.setenv("OTEL_TRACES_EXPORTER", "console")  # no collector needed
+    assert setup_tracing("ingress", set_global=False)
+    with start_span("printed span"):
+        pass
+    assert shutdown_tracing(5.0)
+    assert '"name": "printed span"' in capsys.readouterr().out
 
 
 def test_sampler_ratio_zero_respects_sampled_remote_parent(traced):
