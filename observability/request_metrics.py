@@ -23,12 +23,13 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.
 
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# Why a request was refused (the engine's QueueFull / DeadlineUnattainable codes; "unavailable": the
-# model server is restarting, gone or stopping).
-REFUSAL_REASONS = ("queue_full", "ttft_unattainable", "unavailable")
 """Finish reasons a request can end with (``error``: the server failed it); their
 ``request_success_total`` series exist at zero from the start, so a dashboard's ``rate()`` has two
 samples as soon as the first request of a kind finishes (Prometheus' advice for known label sets)."""
+REFUSAL_REASONS = ("queue_full", "ttft_unattainable", "unavailable")
+"""Why a request was refused (``request_refused_total{reason}``, also at zero from the start): the
+engine's QueueFull / DeadlineUnattainable codes; ``unavailable``: the model server is restarting,
+gone or stopping."""
 
 
 class RequestMetrics:
