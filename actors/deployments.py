@@ -12,7 +12,7 @@ from actors.config import ServeConfig
 from actors.http_access import GuardedApp
 from actors.ingress import IngressServer, app
 from actors.verifier import VerifierServer
-from actors.version import VERSION
+from observability.tracing import SERVICE_VERSION
 
 
 @serve.deployment(name="verifier")
@@ -66,7 +66,7 @@ class IngressDeployment:
 
     @app.get("/version")  # vLLM's; open with an API key too, as in vLLM (actors/http_access.py)
     async def version(self):
-        return {"version": VERSION}
+        return {"version": SERVICE_VERSION}
 
 
 def _options(d) -> dict:

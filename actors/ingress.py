@@ -43,13 +43,13 @@ from actors.openai_protocol import (
 from actors.responses import ResponseBuilder, sse
 from actors.telemetry import RequestTelemetry
 from actors.tokenizer_routes import TokenizerRoutes
-from actors.version import VERSION
 from engine.chat_template import ChatTemplate
 from engine.loader import encode_text, max_chars_per_token
 from engine.request_ranges import check_prompt, check_prompt_chars, check_without_tokenizer
 from engine.sampling_params import SamplingParams
 from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
 from observability import semconv as sc
+from observability.tracing import SERVICE_VERSION
 
 log = logging.getLogger(__name__)
 # FastAPI >= 0.165 traces every request itself on OpenTelemetry's global tracer provider, which
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 _NO_NATIVE_SPANS = ({"telemetry": {"tracing": False, "operation_spans": False}}
                     if "telemetry" in inspect.signature(FastAPI).parameters else {})
 # No interactive docs: the API is OpenAI's, and every route answers errors in OpenAI's shape.
-app = FastAPI(title="specmoe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None,
+app = FastAPI(title="specmoe", version=SERVICE_VERSION, docs_url=None, redoc_url=None, openapi_url=None,
               **_NO_NATIVE_SPANS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import msgspec
 from opentelemetry import trace
@@ -124,19 +125,23 @@ def traces_exporter() -> str:
     return kind
 
 
-def _version() -> str:
+def _installed_version() -> str:
+    """The installed package's version (pyproject.toml's), or ``dev`` where the sources run
+    uninstalled (a Serve ``working_dir``), as vLLM falls back when it has no version file."""
     try:
-        from importlib.metadata import version
-
         return version("specmoe")
-    except Exception:
-        return "unknown"
+    except PackageNotFoundError:
+        return "dev"
+
+
+SERVICE_VERSION = _installed_version()
+"""specmoe's version: OTel's ``service.version`` of every span, ``GET /version`` and the app's."""
 
 
 def _resource(role: str, config: TracingConfig) -> Resource:
     return Resource.create({
         "service.name": os.environ.get("OTEL_SERVICE_NAME") or sc.SERVICE_NAME,
-        "service.version": _version(),
+        "service.version": SERVICE_VERSION,
         "service.instance.id": config.service_instance_id or str(uuid.uuid4()),
         sc.RESOURCE_PROCESS_ROLE: role,
         "process.pid": os.getpid(),
@@ -195,7 +200,7 @@ def _build_state(role: str, config: TracingConfig, set_global: bool) -> _State:
         trace.set_tracer_provider(provider)
     _register_atexit()
     logger.info("tracing enabled for %s -> %s", role, endpoint if kind == "otlp" else kind)
-    return _State(enabled=True, role=role, tracer=provider.get_tracer("specmoe", _version()),
+    return _State(enabled=True, role=role, tracer=provider.get_tracer("specmoe", SERVICE_VERSION),
                   provider=provider, exporter=exporter, endpoint=endpoint)
 
 
