@@ -174,7 +174,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + draft + verify step; return the requests that progressed."""
         decodes = [s for s in self.scheduler.running if not s.num_prompt_tokens_left]
-        limit = self.slo.prefill_limit(decodes, sum(self.slo.decode_tokens(s) for s in decodes))
+        limit = None  # no prompt to chunk (a decode-only step): none of the per-decode budget work
+        if self.scheduler.waiting or len(decodes) < len(self.scheduler.running):
+            limit = self.slo.prefill_limit(decodes, sum(self.slo.decode_tokens(s) for s in decodes))
         deferred = self.slo.deferred_prompts(self.scheduler.waiting, self.scheduler.running, self.kv.num_free)
         sched = self.scheduler.schedule(self.kv.num_free, self._decode_cost, limit, deferred)
         if sched.empty:

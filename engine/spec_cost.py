@@ -315,7 +315,10 @@ class RealisedCheck:
             return None
         rates = goodput.rates()
         standing = self._standing(rates, on)
-        if self._run_left and standing is False:  # an explore run of drafting goes on
+        # Exploring drafting: off by the rates, or unmeasured while off (a lone explore step is a
+        # switch step, left out of the figure: drafting would never be measured).
+        drafting = standing is False or (standing is None and not on)
+        if self._run_left and drafting:  # an explore run of drafting goes on
             self._run_left -= 1
             return standing, True
         self._run_left = 0
@@ -329,7 +332,7 @@ class RealisedCheck:
         if explore:
             self._since_explore = 0
             self._wide_explores += not thin
-            self._run_left = self.explore_run_steps - 1 if standing is False else 0
+            self._run_left = self.explore_run_steps - 1 if drafting else 0
         return standing, explore
 
     def _standing(self, rates: tuple[float, float] | None, on: bool) -> bool | None:

@@ -1,7 +1,7 @@
 """Per-sequence terms of the speculation controller's candidate scoring
 (:meth:`engine.spec_controller.SpeculationController.plan`): the catch-up tokens a step is charged
 (:func:`amortised_catchup`), the chance a draft position was drafted ahead
-(:func:`ready_probability`), and which candidates keep TPOT budgets (:func:`within_tpot`)."""
+(:func:`ready_probability`), and how candidates meet TPOT budgets (:func:`tpot_fit`)."""
 
 from __future__ import annotations
 
@@ -36,15 +36,24 @@ def ready_probability(ready_lengths: dict[str, int], ids: list[str], acceptance:
     return ready
 
 
-def within_tpot(ids: list[str], gains: np.ndarray, lengths: np.ndarray, step_s: np.ndarray,
-                tpot: dict[str, tuple[float, float]]) -> np.ndarray:
-    """Which candidates (``lengths``: ``(C, B)`` draft lengths) keep the budgeted sequences
-    within their TPOT budgets, or, when none does, miss them least: bool ``(C,)``."""
+def tpot_fit(ids: list[str], gains: np.ndarray, lengths: np.ndarray, step_s: np.ndarray,
+             tpot: dict[str, tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """How each candidate (``lengths``: ``(C, B)`` draft lengths, ``step_s``: ``(C,)`` predicted
+    seconds) meets the TPOT budgets (``tpot``: per sequence, (budget s, slack s)).
+
+    Returns:
+        ``keeps``: bool ``(C,)``, every budgeted sequence within its budget after the step
+        (``step <= budget x E[its tokens] + slack``); ``worst_s``: ``(C,)``, the largest predicted
+        seconds per emitted token (``step / E``) among them. Where no candidate keeps every budget,
+        the one with the least ``worst_s`` gives the worst-off sequence the most tokens a second,
+        so the lowest TPOT it can still reach (ranking by the step's miss in seconds, ``step -
+        budget x E - slack``, put short steps first: off over drafts that emit more per second).
+    """
     rows = [i for i, sid in enumerate(ids) if sid in tpot]
     if not rows:
-        return np.ones(len(step_s), dtype=bool)
+        return np.ones(len(step_s), dtype=bool), np.zeros(len(step_s))
     budget_s, slack_s = (np.array([tpot[ids[i]][j] for i in rows]) for j in (0, 1))
     cum = np.concatenate((np.zeros((len(rows), 1)), np.cumsum(gains[rows], axis=1)), axis=1)  # (R, max_k + 1)
     tokens = 1.0 + np.take_along_axis(cum.T, lengths[:, rows], axis=0)  # (C, R) E[emitted] per candidate
-    miss_s = (step_s[:, None] - budget_s * tokens - slack_s).max(1)
-    return miss_s <= max(0.0, float(miss_s.min()))
+    keeps = (step_s[:, None] <= budget_s * tokens + slack_s).all(1)
+    return keeps, (step_s[:, None] / tokens).max(1)

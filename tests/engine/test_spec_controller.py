@@ -286,6 +286,26 @@ def test_a_tpot_budget_shortens_drafts_that_stretch_the_step_more_than_they_emit
     assert behind.k == {"easy": 0, "hard": 0}  # the shortest step misses the budget least
 
 
+def drive_realised(ctl, sim, caps, rng, steps: int, drafting_step_s: float, tpot=None) -> list:
+    """``steps`` pure-decode steps (acceptance 0.9) whose cost model keeps learning ``sim``'s costs
+    while the steps as run take ``drafting_step_s`` drafting and 10 ms not (a cost the model's
+    features miss); ``tpot`` goes to every plan."""
+    decisions = []
+    for _ in range(steps):
+        decision = ctl.plan(caps, len(caps), tpot=tpot)
+        decisions.append(decision)
+        emitted = len(caps)
+        for sid, k in decision.k.items():
+            accepted = int(np.argmin(np.append(rng.random(k) < 0.9, False)))  # run of accepts
+            ctl.observe_acceptances([(sid, k, accepted)])
+            emitted += accepted
+        drafted = sum(decision.k.values())
+        ctl.observe_step(sim.d[1] * max(decision.k.values()) if drafted else 0.0, max(decision.k.values()),
+                         drafted, sim.c[0], len(caps) + drafted, None)
+        ctl.observe_goodput(emitted, drafting_step_s if drafted else 0.010)
+    return decisions
+
+
 def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers():
     """The cost model sees cheap drafting (0.2 ms a pass, acceptance 0.9) and would draft, but the
     steps as run say drafting steps take 100 ms end to end (a cost outside its features) against
@@ -299,21 +319,7 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     assert sum(adaptive_plan(ctl, caps).k.values()) > 0
 
     def drive(steps: int, drafting_step_s: float) -> list:
-        decisions = []
-        for _ in range(steps):
-            decision = ctl.plan(caps, len(caps))
-            decisions.append(decision)
-            emitted = len(caps)
-            for sid, k in decision.k.items():
-                accepted = int(np.argmin(np.append(rng.random(k) < 0.9, False)))  # run of accepts
-                ctl.observe_acceptances([(sid, k, accepted)])
-                emitted += accepted
-            drafted = sum(decision.k.values())
-            # The model keeps learning the synthetic (cheap) costs; the realised step says otherwise.
-            ctl.observe_step(sim.d[1] * max(decision.k.values()) if drafted else 0.0, max(decision.k.values()),
-                             drafted, sim.c[0], len(caps) + drafted, None)
-            ctl.observe_goodput(emitted, drafting_step_s if drafted else 0.010)
-        return decisions
+        return drive_realised(ctl, sim, caps, rng, steps, drafting_step_s)
 
     slow = drive(200, 0.100)
     own = [d for d in slow[100:] if d.reason == "adaptive"]
@@ -354,6 +360,29 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     adaptive, interval = sum(d.reason == "adaptive" for d in on), ctl.settings.replan_interval_steps
     assert (adaptive - (interval - 1)) / interval <= len(optimised) < adaptive
     assert sum(ctl.plan(caps, len(caps) + 300, num_prefills=1).k.values()) > 0  # on: the model decides
+
+
+@pytest.mark.parametrize("drafting_s, on", [(0.100, False), (0.012, True)])
+def test_behind_unattainable_tpot_budgets_the_realised_rates_still_decide(drafting_s, on):
+    """Every sequence far behind a 1 ms TPOT budget: no draft length keeps it, so the budgets
+    cannot bar the realised check's explore steps (once they barred measuring one mode, the check
+    never decided, probes kept drafting and the fit alone chose). The model favours drafting (cheap
+    passes, acceptance 0.9); the steps as run say drafting takes 100 ms (off wins) or 12 ms for
+    ~3.4x the tokens (drafting wins), and the controller's own choices follow them."""
+    sim = SyntheticStep(d_pass=0.0002, c0=0.01)
+    caps = {f"s{i}": 8 for i in range(4)}
+    ctl = controller()
+    rng = np.random.default_rng(3)
+    tpot = dict.fromkeys(caps, (0.001, -0.5))
+    sim.run(ctl, caps, dict.fromkeys(caps, 0.9), rng, 40)
+    decisions = drive_realised(ctl, sim, caps, rng, 300, drafting_s, tpot)
+    assert ctl.realised.standing(len(caps), ctl._on) is on
+    own = [d for d in decisions[150:] if d.reason == "adaptive"]
+    assert own and all((sum(d.k.values()) > 0) is on for d in own)
+    explored = [d for d in decisions[150:] if d.reason == "explore"]
+    assert explored and all((sum(d.k.values()) > 0) is not on for d in explored)
+    if not on:  # settled off: no probe drafts, and plain steps skip the optimisation
+        assert not any(d.reason == "probe" for d in decisions[150:])
 
 
 def test_a_prefill_chunk_does_not_make_drafting_look_cheap():

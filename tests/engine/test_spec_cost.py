@@ -84,6 +84,20 @@ def test_realised_check_switches_around_the_required_gain():
     assert check(1.12).standing(4, on=False) is True
 
 
+@pytest.mark.parametrize("on, run", [(False, [True, True, True]), (True, [True, False, False])])
+def test_an_explore_of_unmeasured_drafting_while_off_is_a_run(on, run):
+    """Plain decoding measured, drafting not (the model kept it off, e.g. behind a TPOT budget):
+    an explore step while off starts a run of ``explore_run_steps``, as it does once the rates say
+    off; alone it would be a switch step, which the drafting figure leaves out, so drafting would
+    never be measured. While on, an explore (of off) is one step."""
+    rc = RealisedCheck(0.05, 8, 0.2, 0.99, 2.0, required_gain=0.05, explore_run_steps=3)
+    rc.observe(4, False, 4, 0.010)
+    verdicts = [rc.verdict(4, on) for _ in range(10)]
+    first = next(i for i, (_, explore) in enumerate(verdicts) if explore)
+    assert [explore for _, explore in verdicts[first:first + 3]] == run
+    assert all(standing is None for standing, _ in verdicts)
+
+
 def explore_gaps(rc: RealisedCheck, drafting_ratio: float, steps: int) -> list[int]:
     """Drive ``rc`` with plain steps at 400 tok/s and its explore steps (drafting) at
     ``400 x drafting_ratio``; the gaps in steps between explore steps."""
