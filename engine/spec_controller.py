@@ -29,7 +29,7 @@ most ``explore_time_share`` of the recent pure-decode time.
 Whether to draft at all is then checked against what happened (an explore/exploit check on
 realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size bucket (decoding
 sequences rounded to a power of two), the emitted tokens per second the controller's own
-pure-decode steps realised, drafting and not (:class:`engine.spec_cost.RealisedCheck`). Once
+pure-decode steps realised, drafting and not (:class:`engine.spec_realised.RealisedCheck`). Once
 both are measured they decide on versus off in pure-decode steps whatever the model predicts,
 TPOT budgets or not (drafting must realise ``required_gain`` over plain decoding: a tie goes to
 plain decoding; a step with a prefill chunk follows its decodes' bucket too, and never
@@ -57,7 +57,8 @@ import numpy as np
 
 from engine.spec_acceptance import AcceptanceEstimates, expected_tokens
 from engine.spec_candidates import draft_candidates
-from engine.spec_cost import ExpertActivation, LogQuantile, OnlineLinearCost, RealisedCheck
+from engine.spec_cost import ExpertActivation, LogQuantile, OnlineLinearCost
+from engine.spec_realised import RealisedCheck
 from engine.spec_scoring import amortised_catchup, ready_probability, tpot_fit
 from engine.spec_settings import ControllerSettings
 
@@ -271,10 +272,8 @@ class SpeculationController:
         # rate, step time less the chunk's (a chunk's token is emitted whatever is drafted).
         chunk_s = self._chunk_s(num_base_tokens, len(ids), prefill_pairs) * calibration
         rate = (expected - num_prefills) / np.maximum(step_s - chunk_s, 1e-6)
-        # Candidates the realised check may pick (on, or to explore): those within every TPOT
-        # budget, or any when none is (its measured rates are then what serves the budgets best;
-        # a check barred from measuring both modes left probes drafting every 16 steps and the
-        # fit deciding alone: at batch 1 behind a 1 ms budget, 0.82x of plain decoding).
+        # What the realised check may pick (on, or to explore): within every TPOT budget, or any
+        # when none is (barred from measuring a mode, the check never decided; docs/SCHEDULING.md).
         allowed, free = np.ones(len(rate), dtype=bool), rate
         if tpot:
             keeps, worst_s = tpot_fit(ids, gains, cand.lengths, step_s, tpot)

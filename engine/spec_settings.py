@@ -18,7 +18,7 @@ class ControllerSettings:
         hysteresis: relative rate gain needed to switch speculation on or off (the model's
             choice; for the realised check, the gain beyond ``required_gain`` that switches on).
         required_gain: realised relative gain over plain decoding drafting must show to be (and
-            stay) on (:class:`engine.spec_cost.RealisedCheck`): a tie goes to plain decoding.
+            stay) on (:class:`engine.spec_realised.RealisedCheck`): a tie goes to plain decoding.
         acceptance_prior: server-wide acceptance at position 0 before anything is observed.
         prior_weight: pseudo-observations of the server-wide estimate in a sequence's estimate.
         sequence_decay, global_decay: per-observation decay of acceptance counts.
@@ -27,14 +27,14 @@ class ControllerSettings:
         explore_interval_steps: while the realised on/off margin is thin (or not yet measured),
             every this many decode steps one explore step runs the other mode; 4x as many
             otherwise, doubling after each explore step that leaves the margin wide, up to
-            ``2 ** explore_backoff_doublings`` times that (:class:`engine.spec_cost.RealisedCheck`).
+            ``2 ** explore_backoff_doublings`` times that (:class:`engine.spec_realised.RealisedCheck`).
         explore_backoff_doublings: see ``explore_interval_steps``; 2: at a wide margin the
             explore interval goes 32, 64, 128 decode steps.
         explore_run_steps: pure-decode steps an explore of drafting lasts (while off); the first,
             which pays the drafter's catch-up, is left out of the realised drafting figure
-            (:class:`engine.spec_cost.RealisedCheck`).
+            (:class:`engine.spec_realised.RealisedCheck`).
         explore_time_share: explore steps start only while they took at most this share of the
-            recent pure-decode time (:class:`engine.spec_cost.RealisedCheck`).
+            recent pure-decode time (:class:`engine.spec_realised.RealisedCheck`).
         off_fit_interval_steps: while the realised rates keep speculation off (by a wide margin
             or a thin one), only one plain-decoding step in this many is metered and fed to the
             cost model: its fit then matters only at explore steps and for latency budgets, its

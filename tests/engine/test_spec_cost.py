@@ -5,13 +5,8 @@ the online quantile of step overruns and the prefill attention feature."""
 import numpy as np
 import pytest
 
-from engine.spec_cost import (
-    ExpertActivation,
-    LogQuantile,
-    OnlineLinearCost,
-    RealisedCheck,
-    prefill_attention_pairs,
-)
+from engine.spec_cost import ExpertActivation, LogQuantile, OnlineLinearCost, prefill_attention_pairs
+from engine.spec_realised import RealisedCheck
 
 
 def test_online_cost_recovers_a_linear_model_with_non_negative_coefficients():
