@@ -111,9 +111,11 @@ class SpeculationController:
         self._plan_age = 0  # steps it was reused
         self._num_probes = 0
         self._on = True
-        # Measured / predicted step time, per mode (drafting or not): the regression fits the
-        # common mode best, so the rarer one (probes) may be biased; this corrects the comparison.
-        self.calibration = {False: 1.0, True: 1.0}
+        # Measured / predicted step time per (drafting, with a prefill chunk): the regression fits
+        # the common kind best, so the rarer ones may be biased; this corrects the comparison.
+        # The kinds differ (in process at batch 16, drafting: 0.85 decode-only, 1.14 with a chunk),
+        # and one factor for both skewed each (pooled: 0.79).
+        self.calibration = {(drafting, chunked): 1.0 for drafting in (False, True) for chunked in (False, True)}
         # The 90th percentile of a chunked step's measured / (calibrated) predicted time, for
         # chunks sized to an ITL budget (engine.slo.SLOPolicy.prefill_limit).
         self.chunk_overrun = LogQuantile(0.9)
@@ -265,7 +267,8 @@ class SpeculationController:
         drafting = cand.drafted > 0
         draft_s = np.where(drafting, self.draft_cost.predict(1.0, cand.passes, cand.drafted, cand.caught), 0.0)
         target_s = self.target_cost.predict(1.0, tokens, self.activation.predict(tokens), prefill_pairs)
-        calibration = np.where(drafting, self.calibration[True], self.calibration[False])
+        chunked = prefill_pairs > 0
+        calibration = np.where(drafting, self.calibration[True, chunked], self.calibration[False, chunked])
         step_s = np.maximum(draft_s + target_s, 1e-6) * calibration
         # A prefill chunk riding along costs the same whatever is drafted, and diluting the drafts'
         # cost in its time made drafting look cheap: the decodes' drafting is judged by their own
@@ -321,7 +324,7 @@ class SpeculationController:
         experts = self.activation.predict(num_target_tokens)
         target = self.target_cost.predict(1.0, num_target_tokens, experts, prefill_pairs, refresh=refresh)
         draft = self.draft_cost.predict(1.0, passes, num_drafted, 0.0, refresh=refresh) if num_drafted else 0.0
-        return float(target + draft) * self.calibration[num_drafted > 0]
+        return float(target + draft) * self.calibration[num_drafted > 0, prefill_pairs > 0]
 
     def expected_tokens(self, seq_id: str, k: int) -> float:
         """Tokens a step verifying ``k`` drafts of ``seq_id`` is expected to emit:
@@ -364,7 +367,7 @@ class SpeculationController:
         if num_drafted > 0:
             predicted += self.draft_cost.predict(1.0, passes, num_drafted, num_catchup, refresh=False)
         if predicted > 0:  # before the models learn from this step: an honest out-of-sample ratio
-            mode, rate = num_drafted > 0, self.settings.calibration_rate
+            mode, rate = (num_drafted > 0, prefill_pairs > 0), self.settings.calibration_rate
             # In log space with the step's deviation clipped: one stalled step moves it by 22 % at most.
             dev = math.log(max(draft_s + target_s, 1e-9) / predicted / self.calibration[mode])
             if prefill_pairs > 0:

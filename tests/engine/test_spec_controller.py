@@ -215,16 +215,24 @@ def test_a_cost_of_drafting_outside_the_features_still_turns_speculation_off():
     assert decision.k == {"a": 0}
 
 
-def test_calibration_is_measured_over_predicted_time_per_mode():
+def test_calibration_is_measured_over_predicted_time_per_mode_and_chunking():
     ctl = controller()
     for _ in range(40):  # off steps: 10 ms for 4 tokens; on steps: 30 ms for 4 tokens + 4 drafted
         ctl.observe_step(0.0, 0, 0, 0.010, 4, None)
         ctl.observe_step(0.004, 1, 4, 0.026, 4, None)
-    # The target model cannot tell the modes apart (same tokens): it predicts ~18 ms for both,
-    # so drafting steps run 30 / 22 = 1.36x their prediction and plain ones 10 / 18 = 0.55x.
-    assert ctl.calibration[True] == pytest.approx(30 / 22, rel=0.1)
-    assert ctl.calibration[False] == pytest.approx(10 / 18, rel=0.1)
+        # Steps with a 100-token prefill chunk: 40 ms of target either way, as the fit predicts.
+        ctl.observe_step(0.0, 0, 0, 0.040, 104, None, prefill_pairs=5.0)
+        ctl.observe_step(0.004, 1, 4, 0.040, 108, None, prefill_pairs=5.0)
+    # Without a chunk the target model cannot tell the modes apart (same tokens): it predicts
+    # ~18 ms for both, so drafting steps run 30 / 22 = 1.36x their prediction and plain ones
+    # 10 / 18 = 0.55x. The well-predicted chunked steps keep their own (~1): pooled with them,
+    # decode-only drafting was calibrated at ~1.17 and predicted 14 % short.
+    assert ctl.calibration[True, False] == pytest.approx(30 / 22, rel=0.1)
+    assert ctl.calibration[False, False] == pytest.approx(10 / 18, rel=0.1)
+    assert ctl.calibration[True, True] == pytest.approx(1.0, abs=0.1)
+    assert ctl.calibration[False, True] == pytest.approx(1.0, abs=0.1)
     assert ctl.predict_step_s(4) == pytest.approx(0.010, rel=0.15)
+    assert ctl.predict_step_s(4, 1, 4) == pytest.approx(0.030, rel=0.15)
 
 
 def test_the_target_cost_learns_what_a_late_chunk_of_a_long_prompt_costs():
