@@ -27,22 +27,17 @@ probes were 5 % of the steps and 9-13 % of the time). Explore steps are bounded 
 most ``explore_time_share`` of the recent pure-decode time.
 
 Whether to draft at all is then checked against what happened (an explore/exploit check on
-realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size bucket (decoding
-sequences rounded to a power of two), the emitted tokens per second the controller's own
-pure-decode steps realised, drafting and not (:class:`engine.spec_realised.RealisedCheck`). Once
-both are measured they decide on versus off in pure-decode steps whatever the model predicts,
-TPOT budgets or not (drafting must realise ``required_gain`` over plain decoding: a tie goes to
-plain decoding; a step with a prefill chunk follows its decodes' bucket too, and never
-explores); the model still chooses what to draft when on. One explore step runs
-the other mode (off while on; the model's best drafting while off) every
-``explore_interval_steps`` while the realised margin is thin (< ``thin_margin``) or unmeasured, a
-quarter as often otherwise and rarer still (backing off) while the margin stays wide, so the
-losing mode's figure stays fresh. While the rates keep speculation off, most plain steps are not
-fed to the cost model (``off_fit_interval_steps``): what is left of an adaptive engine's cost over
-plain decoding is then mostly its explore steps. A drafter's catch-up on a
-prompt counts in the drafting figure: for short requests it is most of what drafting costs.
-On a shared CPU the model misses costs its features cannot see, and off steps are rare in its
-data, so a fit alone can keep speculation on where plain decoding is faster (issue 13).
+realised goodput, as in an epsilon-greedy two-armed bandit): per batch-size bucket, the emitted
+tokens per second the controller's own pure-decode steps realised, drafting and not
+(:class:`engine.spec_realised.RealisedCheck`, which also sets the cadence of explore steps that
+run the other mode). Once both are measured they decide on versus off in pure-decode steps
+whatever the model predicts, TPOT budgets or not (a tie goes to plain decoding; a step with a
+prefill chunk follows its decodes' bucket and never explores); the model still chooses what to
+draft when on. While the rates keep speculation off, most plain steps are not fed to the cost
+model (``off_fit_interval_steps``). A drafter's catch-up on a prompt counts in the drafting
+figure: for short requests it is most of what drafting costs. On a shared CPU the model misses
+costs its features cannot see, so a fit alone can keep speculation on where plain decoding is
+faster (issue 13).
 
 Only draft *lengths* change, never how tokens are verified, so output stays lossless.
 """
