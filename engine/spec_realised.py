@@ -84,9 +84,10 @@ class RealisedCheck:
             An explore of drafting after a stretch off pays the drafter's catch-up on every
             sequence: at batch 16 with sampling its steps took ~2.2x an off step, and at the
             thin-margin cadence explores were ~25 % of the time for a mode that did not pay.
-        explore_run_steps: an explore of drafting (while off) lasts this many pure-decode steps in
-            a row: its first step pays the drafter's catch-up on everything it missed while off, a
-            cost of switching that the controller leaves out of the drafting figure
+        explore_run_steps: an explore of drafting (while off, or while drafting is unmeasured and
+            the controller is off) lasts this many pure-decode steps in a row: its first step pays
+            the drafter's catch-up on everything it missed while off, a cost of switching that the
+            controller leaves out of the drafting figure
             (:meth:`SpeculationController.observe_goodput`), so the steps after it measure
             drafting's own rate.
     """
