@@ -4,52 +4,8 @@ import numpy as np
 import pytest
 
 from engine.spec_controller import SpeculationController
-from engine.spec_cost import ExpertActivation, prefill_attention_pairs
-from engine.spec_settings import ControllerSettings
-
-
-class SyntheticStep:
-    """Known step costs: draft = d_pass * passes + d_tok * drafted (+ d0 when drafting);
-    target = c0 + c_tok * tokens + c_exp * distinct experts (uniform top-k routing)."""
-
-    def __init__(self, d0=0.0, d_pass=0.001, d_tok=0.0, c0=0.01, c_tok=0.0, c_exp=0.0,
-                 experts=(0, 0, 1), interference_s=0.0):
-        self.d = (d0, d_pass, d_tok)
-        self.interference_s = interference_s  # extra target time in steps that drafted (no feature has it)
-        self.c = (c0, c_tok, c_exp)
-        self.num_experts, self.layers, self.top_k = experts
-
-    def distinct(self, tokens: int) -> int:
-        if not self.num_experts:
-            return 0
-        p = self.top_k / self.num_experts
-        return round(self.layers * self.num_experts * (1 - (1 - p) ** tokens))
-
-    def run(self, controller, caps, acceptance, rng, steps):
-        """Drive ``steps`` steps; ``acceptance[sid]`` is each sequence's true per-token acceptance."""
-        last = None
-        for _ in range(steps):
-            decision = controller.plan(caps, len(caps))
-            last = decision if decision.reason != "probe" else last
-            ks = list(decision.k.values())
-            drafted, passes = sum(ks), max(ks)
-            draft_s = (self.d[0] + self.d[1] * passes + self.d[2] * drafted) if drafted else 0.0
-            tokens = len(caps) + drafted
-            distinct = self.distinct(tokens) if self.num_experts else None
-            target_s = self.c[0] + self.c[1] * tokens + self.c[2] * (distinct or 0)
-            target_s += self.interference_s if drafted else 0.0
-            controller.observe_step(draft_s, passes, drafted, target_s, tokens, distinct)
-            for sid, k in decision.k.items():
-                accepted = 0
-                while accepted < k and rng.random() < acceptance[sid]:
-                    accepted += 1
-                controller.observe_acceptances([(sid, k, accepted)])
-        return last  # the controller's own choice (the final step may be a probe)
-
-
-def controller(max_k=8, experts=None, **settings):
-    activation = ExpertActivation(*experts) if experts else None
-    return SpeculationController(max_k, "adaptive", activation, ControllerSettings(**settings))
+from engine.spec_cost import prefill_attention_pairs
+from tests.helpers.spec_sim import SyntheticStep, adaptive_plan, controller, drive_realised
 
 
 def test_expensive_draft_turns_speculation_off():
@@ -267,53 +223,6 @@ def test_the_target_cost_learns_what_a_late_chunk_of_a_long_prompt_costs():
     assert 1.1 < ctl.chunk_overrun.value < 1.4  # ~exp(1.28 x 0.15) = 1.21 over the mean step
 
 
-def adaptive_plan(ctl, caps, **kw):
-    """The controller's own (non-probe) choice for this step's state."""
-    while (decision := ctl.plan(caps, len(caps), **kw)).reason != "adaptive":
-        pass
-    return decision
-
-
-def test_a_tpot_budget_shortens_drafts_that_stretch_the_step_more_than_they_emit():
-    """'easy' (acceptance 0.95) pays for long drafts (under these costs k = 6-8 are within 2 % of
-    each other, k = 6 best); 'hard' (0.02) gains little from drafting but waits for every draft
-    pass: 10 ms + 2 ms a pass must stay within 14 ms x E[hard's tokens] + slack."""
-    sim = SyntheticStep(d_pass=0.002, c0=0.01)
-    caps = {"easy": 8, "hard": 8}
-    ctl = controller()
-    sim.run(ctl, caps, {"easy": 0.95, "hard": 0.02}, np.random.default_rng(5), 150)
-    free = adaptive_plan(ctl, caps)
-    assert free.k["easy"] >= 5
-    assert adaptive_plan(ctl, caps, tpot={"hard": (1.0, 0.0)}).k == free.k  # a generous budget changes nothing
-    tight = adaptive_plan(ctl, caps, tpot={"hard": (0.014, 0.0)})
-    drafted, passes = sum(tight.k.values()), max(tight.k.values())
-    hard_tokens = 1 + np.cumprod(ctl.acceptance("hard"))[: tight.k["hard"]].sum()
-    assert 2 <= passes < free.k["easy"]
-    assert ctl.predict_step_s(2 + drafted, passes, drafted) <= 0.014 * hard_tokens
-    behind = adaptive_plan(ctl, caps, tpot={"hard": (0.014, -0.02)})  # 20 ms behind: no step fits
-    assert behind.k == {"easy": 0, "hard": 0}  # the shortest step misses the budget least
-
-
-def drive_realised(ctl, sim, caps, rng, steps: int, drafting_step_s: float, tpot=None) -> list:
-    """``steps`` pure-decode steps (acceptance 0.9) whose cost model keeps learning ``sim``'s costs
-    while the steps as run take ``drafting_step_s`` drafting and 10 ms not (a cost the model's
-    features miss); ``tpot`` goes to every plan."""
-    decisions = []
-    for _ in range(steps):
-        decision = ctl.plan(caps, len(caps), tpot=tpot)
-        decisions.append(decision)
-        emitted = len(caps)
-        for sid, k in decision.k.items():
-            accepted = int(np.argmin(np.append(rng.random(k) < 0.9, False)))  # run of accepts
-            ctl.observe_acceptances([(sid, k, accepted)])
-            emitted += accepted
-        drafted = sum(decision.k.values())
-        ctl.observe_step(sim.d[1] * max(decision.k.values()) if drafted else 0.0, max(decision.k.values()),
-                         drafted, sim.c[0], len(caps) + drafted, None)
-        ctl.observe_goodput(emitted, drafting_step_s if drafted else 0.010)
-    return decisions
-
-
 def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers():
     """The cost model sees cheap drafting (0.2 ms a pass, acceptance 0.9) and would draft, but the
     steps as run say drafting steps take 100 ms end to end (a cost outside its features) against
@@ -368,29 +277,6 @@ def test_realised_goodput_overrules_a_model_that_favours_drafting_and_recovers()
     adaptive, interval = sum(d.reason == "adaptive" for d in on), ctl.settings.replan_interval_steps
     assert (adaptive - (interval - 1)) / interval <= len(optimised) < adaptive
     assert sum(ctl.plan(caps, len(caps) + 300, num_prefills=1).k.values()) > 0  # on: the model decides
-
-
-@pytest.mark.parametrize("drafting_s, on", [(0.100, False), (0.012, True)])
-def test_behind_unattainable_tpot_budgets_the_realised_rates_still_decide(drafting_s, on):
-    """Every sequence far behind a 1 ms TPOT budget: no draft length keeps it, so the budgets
-    cannot bar the realised check's explore steps (once they barred measuring one mode, the check
-    never decided, probes kept drafting and the fit alone chose). The model favours drafting (cheap
-    passes, acceptance 0.9); the steps as run say drafting takes 100 ms (off wins) or 12 ms for
-    ~3.4x the tokens (drafting wins), and the controller's own choices follow them."""
-    sim = SyntheticStep(d_pass=0.0002, c0=0.01)
-    caps = {f"s{i}": 8 for i in range(4)}
-    ctl = controller()
-    rng = np.random.default_rng(3)
-    tpot = dict.fromkeys(caps, (0.001, -0.5))
-    sim.run(ctl, caps, dict.fromkeys(caps, 0.9), rng, 40)
-    decisions = drive_realised(ctl, sim, caps, rng, 300, drafting_s, tpot)
-    assert ctl.realised.standing(len(caps), ctl._on) is on
-    own = [d for d in decisions[150:] if d.reason == "adaptive"]
-    assert own and all((sum(d.k.values()) > 0) is on for d in own)
-    explored = [d for d in decisions[150:] if d.reason == "explore"]
-    assert explored and all((sum(d.k.values()) > 0) is not on for d in explored)
-    if not on:  # settled off: no probe drafts, and plain steps skip the optimisation
-        assert not any(d.reason == "probe" for d in decisions[150:])
 
 
 def test_a_prefill_chunk_does_not_make_drafting_look_cheap():
