@@ -209,18 +209,23 @@ class SLOPolicy:
         mix's 13-token completions have 50 ms x 12 of TPOT budget and decode steps of ~10-20 ms.
 
         A cap (an ``itl_ms``, or a TPOT allowance of a decode behind its budget) that the predicted
-        decode-only step already exceeds does not apply (the decode's other caps still do): no
-        chunk size keeps it, and capping anyway held every step to the minimum chunk of one
-        prompt. Over HTTP at concurrency 16 on the 2-core VM (every step predicted at 20-47 ms
-        against the embedded config's 25 ms ITL cap) that admitted prompts one 32-token chunk a
-        step: 2-5 of 16 requests decoding while up to 13 waited, time to first token 2.1-4.0 s,
-        speculation 0.64-0.88x of plain decoding's throughput; with sampling (temperature 0.8,
-        decodes behind their 25 ms TPOT budget) the TPOT floor did the same (TTFT 2.4 s, 0.62x).
-        Overloaded like that, chunks are sized by the token budget alone, as in vLLM."""
+        decode-only step exceeds does not apply (the decode's other caps still do): no chunk size
+        keeps it, and capping anyway held every step to the minimum chunk of one prompt. Over HTTP
+        at concurrency 16 on the 2-core VM (every step predicted at 20-47 ms against the embedded
+        config's 25 ms ITL cap) that admitted prompts one 32-token chunk a step: 2-5 of 16
+        requests decoding while up to 13 waited, time to first token 2.1-4.0 s, speculation
+        0.64-0.88x of plain decoding's throughput; with sampling (temperature 0.8, decodes behind
+        their 25 ms TPOT budget) the TPOT floor did the same (TTFT 2.4 s, 0.62x). The decode-only
+        step judged is the one once the prompts in line decode too (:meth:`_joining_tokens`): a
+        cap only the current few decodes keep held chunks to ~40 tokens there, so few decoded,
+        their short steps kept the cap, and 2 of 5 servers stayed so (4-5 of 16 decoding, TTFT
+        p50 1.6-2.0 s, 0.74-0.86x). Overloaded like that, chunks are sized by the token budget
+        alone, as in vLLM."""
         if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
             return None
         predict = self.step_predictor()
         now, decode_s, budgets = time.monotonic(), predict(decode_tokens), []
+        full_ms = predict(decode_tokens + self._joining_tokens(decodes, decode_tokens)) * 1e3
         overrun = self.controller.chunk_overrun.value  # measured / predicted, chunked steps' p90
         for s in decodes:
             slo = self.config.slo_for(s.params.slo_class)[1]
@@ -234,9 +239,9 @@ class SLOPolicy:
                                                  decode_s * 1e3, None if slack_s is None else slack_s * 1e3))
             if slo.itl_ms:  # the gap this step makes in its stream, whatever the slack allows,
                 caps_ms.append(itl_cap_ms(slo.itl_ms, overrun, decode_s * 1e3))
-            # A cap the decode-only step already exceeds cannot be kept by shrinking the chunk;
-            # holding chunks to the minimum then only starves admission (see the docstring).
-            attainable = [c for c in caps_ms if c > decode_s * 1e3]
+            # A cap the decode-only step exceeds once the prompts in line decode too cannot be
+            # kept by shrinking the chunk; holding chunks small then only starves admission.
+            attainable = [c for c in caps_ms if c > full_ms]
             if attainable:
                 budgets.append(min(attainable))
         if not budgets:
@@ -246,6 +251,16 @@ class SLOPolicy:
         start = max((s.num_cached for s in self.scheduler.running if s.num_prompt_tokens_left), default=0)
         return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
                                    lambda tokens: predict(tokens, prefill_attention_pairs(start, tokens - decode_tokens)))
+
+    def _joining_tokens(self, decodes, decode_tokens: int) -> int:
+        """Target tokens the prompts in line add to a decode-only step once they decode: those
+        partly prefilled and the waiting ones free seats admit (``max_num_seqs``), each at the
+        running decodes' mean tokens a step (their draft lengths)."""
+        running = self.scheduler.running
+        prefilling = sum(1 for s in running if s.num_prompt_tokens_left)
+        seats = max(0, self.config.max_num_seqs - len(running))
+        joining = prefilling + min(len(self.scheduler.waiting), seats)
+        return round(joining * decode_tokens / max(len(decodes), 1))
 
     def tpot_slack(self, decodes) -> dict[str, tuple[float, float]]:
         """(TPOT budget s, slack s) per decoding sequence with a TPOT budget and a first token, for

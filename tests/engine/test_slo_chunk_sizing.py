@@ -4,6 +4,7 @@ budget caps it, the wait estimate frees the budget as running decodes finish, an
 decode-only step already exceeds caps nothing. The engine-level tests of the same budgets are
 in tests/engine/test_slo_scheduling.py."""
 
+import msgspec
 import pytest
 
 from engine.outputs import RequestMetrics
@@ -152,6 +153,34 @@ def test_a_cap_the_decode_only_step_already_exceeds_does_not_cap_the_chunk(monke
     alone = policy.prefill_limit([ahead], 200)  # 25 ms decode-only step + half its 95 ms of slack
     assert alone == prefill_token_limit([72.5], 200, 4096, linear) and 474 <= alone <= 475
     assert policy.prefill_limit([fresh, ahead], 200) == alone
+
+
+def test_a_cap_the_decodes_exceed_once_the_prompts_in_line_decode_does_not_cap_the_chunk(monkeypatch):
+    """A 12 ms ITL cap that 4 running decodes keep (40 target tokens: 9 ms) binds while few
+    prompts wait; when those in line would take the decode-only step past it once they decode
+    (12 waiting for 12 free seats, or partly prefilled ones), no chunk size keeps it in steady
+    state, and capping held the batch small: over HTTP at concurrency 16, 4-5 of 16 decoding
+    with ~40-token chunks and TTFT 1.6-2.0 s, in 2 of 5 servers."""
+    from types import SimpleNamespace
+
+    policy, linear = policy_at_1000_s(monkeypatch, {"itl": SLOClass(itl_ms=12.0)}, default_slo_class="itl",
+                                      max_num_seqs=16)
+    running = [SimpleNamespace(seq_id=f"d{i}", params=SamplingParams(max_tokens=12), num_output_tokens=3,
+                               num_prompt_tokens_left=0, request=SimpleNamespace(metrics=RequestMetrics(990.0)))
+               for i in range(4)]
+    policy.scheduler.running = list(running)
+    capped = prefill_token_limit([12.0], 40, 4096, linear)
+    assert 29 <= capped <= 30  # 5 + 0.1 x (40 + c) <= 12 ms
+    policy.scheduler.waiting = [object()] * 2  # 4 + 2 decodes: 60 tokens, 11 ms: still kept
+    assert policy.prefill_limit(running, 40) == capped
+    policy.scheduler.waiting = [object()] * 12  # 16 decodes: 160 tokens, 21 ms
+    assert policy.prefill_limit(running, 40) is None
+    policy.scheduler.config = msgspec.structs.replace(policy.config, max_num_seqs=6)  # 2 free seats
+    assert policy.prefill_limit(running, 40) == capped
+    policy.scheduler.waiting = []
+    policy.scheduler.running = running + [SimpleNamespace(num_prompt_tokens_left=100)] * 4  # partly prefilled
+    policy.scheduler.config = msgspec.structs.replace(policy.config, max_num_seqs=16)
+    assert policy.prefill_limit(running, 40) is None  # 8 decodes x 10 tokens: 13 ms > 12
 
 
 def test_an_itl_budget_is_sized_for_the_chunked_steps_overrun_and_a_late_chunks_attention(monkeypatch):
