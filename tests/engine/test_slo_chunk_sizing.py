@@ -10,7 +10,8 @@ import pytest
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.slo import SLOClass, prefill_token_limit, wait_estimate_s
+from engine.slo import SLOClass
+from engine.slo_budget import prefill_token_limit, wait_estimate_s
 
 
 def policy_at_1000_s(monkeypatch, slo_classes: dict, **config):
@@ -39,7 +40,7 @@ def test_a_decode_with_tpot_slack_lets_a_larger_chunk_through(monkeypatch):
     without a first token allows its per-token budget (the flat cap)."""
     from types import SimpleNamespace
 
-    from engine.slo import projected_slack_s, step_allowance_ms
+    from engine.slo_budget import projected_slack_s, step_allowance_ms
 
     policy, linear = policy_at_1000_s(monkeypatch, {"i": SLOClass(tpot_ms=20.0)}, default_slo_class="i")
 

@@ -14,7 +14,8 @@ from engine.outputs import RequestMetrics
 from engine.request_ranges import RequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.slo import DeadlineUnattainable, SLOClass, prefill_token_limit, request_slo_met, wait_estimate_s
+from engine.slo import DeadlineUnattainable, SLOClass, request_slo_met
+from engine.slo_budget import prefill_token_limit, wait_estimate_s
 from engine.spec_cost import prefill_attention_pairs
 from tests.engine.bundled import loaded_target, prompt_ids
 
