@@ -246,7 +246,7 @@ class SLOPolicy:
                 caps_ms.append(step_allowance_ms(slo.tpot_ms, self.controller.expected_tokens(s.seq_id, k),
                                                  decode_s * 1e3, None if slack_s is None else slack_s * 1e3))
             if slo.itl_ms:  # the gap this step makes in its stream, whatever the slack allows,
-                caps_ms.append(itl_cap_ms(slo.itl_ms, overrun, decode_s * 1e3))
+                caps_ms.append(itl_cap_ms(slo.itl_ms, overrun, full_ms))
             # A cap the decode-only step exceeds once the prompts in line decode too cannot be
             # kept by shrinking the chunk; holding chunks small then only starves admission.
             attainable = [c for c in caps_ms if c > full_ms]

@@ -4,6 +4,8 @@ budget caps it, the wait estimate frees the budget as running decodes finish, an
 decode-only step already exceeds caps nothing. The engine-level tests of the same budgets are
 in tests/engine/test_slo_scheduling.py."""
 
+import math
+
 import msgspec
 import pytest
 
@@ -174,6 +176,11 @@ def test_a_cap_the_decodes_exceed_once_the_prompts_in_line_decode_does_not_cap_t
     assert 29 <= capped <= 30  # 5 + 0.1 x (40 + c) <= 12 ms
     policy.scheduler.waiting = [object()] * 2  # 4 + 2 decodes: 60 tokens, 11 ms: still kept
     assert policy.prefill_limit(running, 40) == capped
+    # Its overrun margin (12 / 1.2 = 10 ms) fits the 9 ms of the decodes now but not the 11 ms
+    # once the two join: the budget itself caps, as where the decodes now leave no room for it.
+    policy.controller.chunk_overrun._log = math.log(1.2)
+    assert policy.prefill_limit(running, 40) == capped
+    policy.controller.chunk_overrun._log = 0.0
     policy.scheduler.waiting = [object()] * 12  # 16 decodes: 160 tokens, 21 ms
     assert policy.prefill_limit(running, 40) is None
     policy.scheduler.config = msgspec.structs.replace(policy.config, max_num_seqs=6)  # 2 free seats
