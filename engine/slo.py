@@ -190,13 +190,13 @@ class SLOPolicy:
         frees = [now] * free_now + [frees_at(s) for s in running]
         return {waiting[i].seq_id for i in deferred_jobs(jobs, frees, now)}
 
-    def step_predictor(self) -> Callable[..., float]:
+    def step_predictor(self, batch_scale: float = 1.0) -> Callable[..., float]:
         """Predicted step seconds for a number of target tokens (and, optionally, the prefill
         chunks' attention work, :func:`engine.spec_cost.prefill_attention_pairs`): the target
-        forward and, drafting as the last step did, the draft phase (learned online; 0 before any
-        step)."""
+        forward and, drafting as the last step did (its drafted tokens times ``batch_scale``, for
+        a batch that many times as large), the draft phase (learned online; 0 before any step)."""
         ks = list(self.controller.last.k.values())
-        passes, drafted = max(ks, default=0), sum(ks)
+        passes, drafted = max(ks, default=0), round(sum(ks) * batch_scale)
         return lambda tokens, pairs=0.0: self.controller.predict_step_s(tokens, passes, drafted, prefill_pairs=pairs)
 
     def prefill_limit(self, decodes, decode_tokens: int) -> int | None:
@@ -224,16 +224,17 @@ class SLOPolicy:
         requests decoding while up to 13 waited, time to first token 2.1-4.0 s, speculation
         0.64-0.88x of plain decoding's throughput; with sampling (temperature 0.8, decodes behind
         their 25 ms TPOT budget) the TPOT floor did the same (TTFT 2.4 s, 0.62x). The decode-only
-        step judged is the one once the prompts in line decode too (:meth:`_joining_tokens`): a
-        cap only the current few decodes keep held chunks to ~40 tokens there, so few decoded,
-        their short steps kept the cap, and 2 of 5 servers stayed so (4-5 of 16 decoding, TTFT
-        p50 1.6-2.0 s, 0.74-0.86x). Overloaded like that, chunks are sized by the token budget
-        alone, as in vLLM."""
+        step judged is the one once the prompts in line decode too (:meth:`_num_joining`), each
+        with the running decodes' mean target and drafted tokens: a cap only the current few
+        decodes keep held chunks to ~40 tokens there, so few decoded, their short steps kept the
+        cap, and 2 of 5 servers stayed so (4-5 of 16 decoding, TTFT p50 1.6-2.0 s, 0.74-0.86x).
+        Overloaded like that, chunks are sized by the token budget alone, as in vLLM."""
         if not self.config.slo_classes:  # nothing is budgeted (the common case): no per-decode work
             return None
         predict = self.step_predictor()
         now, decode_s, budgets = time.monotonic(), predict(decode_tokens), []
-        full_ms = predict(decode_tokens + self._joining_tokens(decodes, decode_tokens)) * 1e3
+        grown = (len(decodes) + self._num_joining()) / max(len(decodes), 1)  # the batch once they decode
+        full_ms = self.step_predictor(grown)(round(decode_tokens * grown)) * 1e3
         overrun = self.controller.chunk_overrun.value  # measured / predicted, chunked steps' p90
         for s in decodes:
             slo = self.config.slo_for(s.params.slo_class)[1]
@@ -260,15 +261,13 @@ class SLOPolicy:
         return prefill_token_limit(budgets, decode_tokens, self.config.max_num_batched_tokens,
                                    lambda tokens: predict(tokens, prefill_attention_pairs(start, tokens - decode_tokens)))
 
-    def _joining_tokens(self, decodes, decode_tokens: int) -> int:
-        """Target tokens the prompts in line add to a decode-only step once they decode: those
-        partly prefilled and the waiting ones free seats admit (``max_num_seqs``), each at the
-        running decodes' mean tokens a step (their draft lengths)."""
+    def _num_joining(self) -> int:
+        """Prompts in line to decode: those partly prefilled and the waiting ones free seats admit
+        (``max_num_seqs``)."""
         running = self.scheduler.running
         prefilling = sum(1 for s in running if s.num_prompt_tokens_left)
         seats = max(0, self.config.max_num_seqs - len(running))
-        joining = prefilling + min(len(self.scheduler.waiting), seats)
-        return round(joining * decode_tokens / max(len(decodes), 1))
+        return prefilling + min(len(self.scheduler.waiting), seats)
 
     def tpot_slack(self, decodes) -> dict[str, tuple[float, float]]:
         """(TPOT budget s, slack s) per decoding sequence with a TPOT budget and a first token, for

@@ -190,6 +190,19 @@ def test_a_cap_the_decodes_exceed_once_the_prompts_in_line_decode_does_not_cap_t
     policy.scheduler.config = msgspec.structs.replace(policy.config, max_num_seqs=16)
     assert policy.prefill_limit(running, 40) is None  # 8 decodes x 10 tokens: 13 ms > 12
 
+    # Drafting: the joiners draft as the running decodes do. A target token costs 0.01 ms here and
+    # a drafted one 0.5 ms: 4 decodes drafting 2 each take 9.1 ms, 12 more would take 21.5 ms.
+    from engine.spec_controller import Decision
+
+    policy.scheduler.running = list(running)
+    policy.controller.last = Decision(k={d.seq_id: 2 for d in running})
+    policy.controller.predict_step_s = \
+        lambda tokens, passes=0, drafted=0, prefill_pairs=0.0: 0.005 + 0.00001 * tokens + 0.0005 * drafted
+    policy.scheduler.waiting = [object()] * 2  # 6 drafting: 11.2 ms
+    assert policy.prefill_limit(running, 12) == 288  # 5 + 0.01 x (12 + c) + 4 <= 12 ms
+    policy.scheduler.waiting = [object()] * 12
+    assert policy.prefill_limit(running, 12) is None
+
 
 def test_an_itl_budget_is_sized_for_the_chunked_steps_overrun_and_a_late_chunks_attention(monkeypatch):
     """Chunks sized for the predicted (mean) step put half the chunked steps over an ITL budget,
