@@ -72,7 +72,7 @@ def test_the_engine_admits_the_short_prompts_before_a_long_one_that_would_make_t
         engine = LLMEngine(loaded_target(), NoneDrafter(), 0, SchedulerConfig(
             max_num_seqs=1, max_num_batched_tokens=4096, max_waiting=100, scheduling_policy="slo",
             slo_classes=classes))
-        monkeypatch.setattr(engine.slo, "step_predictor", lambda: (lambda tokens: predicted_step_s))
+        monkeypatch.setattr(engine.slo, "step_predictor", lambda batch_scale=1.0: (lambda tokens: predicted_step_s))
         p = prompt_ids(3, 40)
         engine.add_request("long", p[0], SamplingParams(temperature=0.0, max_tokens=200, slo_class="tight"))
         for i in (1, 2):

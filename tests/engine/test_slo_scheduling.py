@@ -231,7 +231,7 @@ def test_refusal_counts_each_queued_prompts_attention_over_itself():
     outcome = {}
     for budget_ms in (40.0, 80.0):  # between the two estimates, and above both
         engine = engine_with(seqs=4, refuse_unattainable_ttft=True)
-        engine.slo.step_predictor = lambda: predict
+        engine.slo.step_predictor = lambda batch_scale=1.0: predict
         engine.scheduler.config = msgspec.structs.replace(
             engine.scheduler.config, max_num_batched_tokens=64,
             slo_classes={**CLASSES, "interactive": SLOClass(ttft_ms=budget_ms)})
