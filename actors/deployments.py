@@ -7,16 +7,36 @@ No ``from __future__ import annotations`` here: FastAPI must see the real ``Requ
 import msgspec
 from fastapi import Request
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from actors.config import ServeConfig
 from actors.http_access import GuardedApp
 from actors.ingress import IngressServer, app
+from actors.metrics_hub import HubRef, MetricsPublisher, scrape_pages
 from actors.verifier import VerifierServer
 from observability.tracing import SERVICE_VERSION
 
 
+def _publish(config: ServeConfig, render) -> tuple[HubRef | None, MetricsPublisher | None]:
+    """This replica's metrics in every scrape of ``/metrics`` (``actors/metrics_hub.py``), named
+    ``<deployment>-<replica id>``; (None, None) outside a Serve replica (a test driving the class
+    alone). Serve runs a replica's constructor on its event loop."""
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:
+        return None, None
+    hub = HubRef(config.experts.namespace, context.app_name)
+    publisher = MetricsPublisher(f"{context.deployment}-{context.replica_id.unique_id}", render, hub)
+    publisher.start()
+    return hub, publisher
+
+
 @serve.deployment(name="verifier")
 class VerifierDeployment(VerifierServer):
+    def __init__(self, config: dict) -> None:
+        super().__init__(config)
+        self.metrics_publisher = _publish(self.config, self.metrics_bytes)[1]
+
     async def metrics_text(self) -> bytes:
         return await self.metrics_bytes()
 
@@ -26,6 +46,7 @@ class VerifierDeployment(VerifierServer):
 class IngressDeployment:
     def __init__(self, config: dict, verifier) -> None:
         self.server = IngressServer(msgspec.convert(config, ServeConfig), verifier)
+        self.metrics_hub, self.metrics_publisher = _publish(self.server.config, self.server.own_metrics)
 
     def __serve_build_asgi_app__(self):
         """Serve's hook, called in the replica after ``__init__`` and before the app serves: the
@@ -62,7 +83,8 @@ class IngressDeployment:
 
     @app.get("/metrics")
     async def metrics(self):
-        return await self.server.metrics_text()
+        pages = await scrape_pages(self.metrics_hub) if self.metrics_hub is not None else None
+        return await self.server.metrics_text(pages)
 
     @app.get("/version")  # vLLM's; open with an API key too, as in vLLM (actors/http_access.py)
     async def version(self):

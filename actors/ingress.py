@@ -171,13 +171,21 @@ class IngressServer:
             self._probe = None
             return
 
-    async def metrics_text(self) -> Response:
-        parts = [self.metrics.registry]
-        try:
-            parts.append(await self.verifier.metrics_text.remote())
-        except Exception as e:  # metrics never fail the endpoint
-            log.warning("verifier metrics unavailable: %s", e)
-        return Response(render(*parts), media_type=CONTENT_TYPE)
+    async def own_metrics(self) -> bytes:
+        """Prometheus text of this replica's request metrics (rendered off the event loop)."""
+        return await asyncio.to_thread(render, self.metrics.registry)
+
+    async def metrics_text(self, pages: list | None = None) -> Response:
+        """``GET /metrics``: ``pages`` (every replica's, labelled; ``actors/metrics_hub.py``), or
+        without them (no hub, or none of its replicas heard from yet) this replica's request metrics
+        and one verifier replica's engine metrics."""
+        if not pages:
+            pages = [self.metrics.registry]
+            try:
+                pages.append(await self.verifier.metrics_text.remote())
+            except Exception as e:  # metrics never fail the endpoint
+                log.warning("verifier metrics unavailable: %s", e)
+        return Response(await asyncio.to_thread(render, *pages), media_type=CONTENT_TYPE)
 
     # ----------------------------------------------------------------- handling
     def _prepare(self, body: bytes, kind: str) -> tuple[CompletionRequest | ChatCompletionRequest, list[Prompt]]:

@@ -89,6 +89,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"num_speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                               f"got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens and self.speculative_method is None:
+            # vLLM too refuses a draft length without a way to draft (else: plain decoding, silently)
+            raise ConfigError(f"num_speculative_tokens: {self.num_speculative_tokens} needs a speculative_method "
+                              f"(draft, eagle3 or ngram); plain decoding takes 0")
         if self.pipelined_drafting and self.speculative_method != "draft":
             raise ConfigError("pipelined_drafting: needs speculative_method 'draft' (a draft model drafts ahead)")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:

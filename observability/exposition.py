@@ -4,7 +4,9 @@ from other components (e.g. the ingress serving the verifier's ``render()`` outp
 Families with the same name from different sources are merged into one (one HELP/TYPE block,
 as the format requires); a series (same sample name and labels) present in more than one source
 is kept from the FIRST source only, so list the authoritative source first. ``*_created``
-samples are left out: they double the series count and nothing here reads them.
+samples are left out: they double the series count and nothing here reads them. A source given
+as ``(source, labels)`` has ``labels`` added to every series (e.g. the replica it came from, so
+the pages of several replicas merge into one without a series of one hiding another's).
 """
 
 from __future__ import annotations
@@ -22,9 +24,16 @@ logger = logging.getLogger("observability")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 Source = Collector | bytes | str
+Labelled = tuple[Source, dict[str, str]]
 
 
-def _families(source: Source) -> Iterable:
+def _families(source: Source | Labelled) -> Iterable:
+    if isinstance(source, tuple):
+        source, labels = source
+        families = _families(source)
+        for fam in families:
+            fam.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
+        return families
     if isinstance(source, bytes):
         source = source.decode("utf-8", errors="replace")
     if isinstance(source, str):
@@ -42,9 +51,10 @@ class _Merged(Collector):
         return iter(self._families)
 
 
-def render(*sources: Source) -> bytes:
+def render(*sources: Source | Labelled) -> bytes:
     """Prometheus text (serve with ``CONTENT_TYPE``) of all ``sources``: ``CollectorRegistry``
-    objects and/or text/bytes produced by another process's ``render``. A source that fails to
+    objects and/or text/bytes produced by another process's ``render``, each alone or with labels
+    to add to its series (``(source, {"replica": "..."})``). A source that fails to
     collect or parse is skipped (logged). Never raises."""
     merged: dict[str, object] = {}
     seen_series: set[tuple[str, tuple]] = set()

@@ -7,10 +7,12 @@ import json
 import signal
 import threading
 import time
+from collections import defaultdict
 
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serving.server_process import embedded_config, free_port, process_tree, serve_process
 from engine import LLM, SamplingParams
@@ -68,6 +70,35 @@ def _busiest_verifier(proc) -> psutil.Process:
     time.sleep(0.3)
     busy = [sum(p.cpu_times()[:2]) - b for p, b in zip(verifiers, before)]
     return verifiers[busy.index(max(busy))]
+
+
+def _per_replica(url: str, name: str) -> dict[str, float]:
+    """``name``'s samples on one scrape of ``/metrics``, summed per ``replica`` label."""
+    out: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == name:
+                out[s.labels.get("replica", "")] += s.value
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_each_scrape_carries_every_replicas_series(server):
+    """Both verifier replicas' engine counters (and the ingress's request counters) in every scrape,
+    labelled by replica, so their sums count every request whichever replica served it."""
+    _, url, _ = server
+    engine, ingress = "specmoe:slo_requests_total", "specmoe:request_success_total"
+    before = _per_replica(url, engine), _per_replica(url, ingress)
+    num_requests = 6
+    for i in range(num_requests):
+        r = httpx.post(url + "/v1/completions", json={"model": "stdlib-moe", "prompt": PROMPTS[i % 2],
+                                                      "max_tokens": 4, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+    after = _per_replica(url, engine), _per_replica(url, ingress)
+    assert len([r for r in after[0] if r.startswith("verifier-")]) == 2, dict(after[0])
+    assert [r.split("-")[0] for r in after[1]] == ["ingress"], dict(after[1])
+    for b, a in zip(before, after):
+        assert sum(a.values()) - sum(b.values()) == num_requests
 
 
 @pytest.mark.timeout(600)

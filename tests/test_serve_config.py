@@ -79,6 +79,19 @@ def test_command_line_overrides(argv, method, k, policy):
     assert config.engine.speculative_policy == policy
 
 
+def test_a_draft_length_without_a_way_to_draft_is_a_config_error():
+    """``--speculative-method none --num-speculative-tokens 4`` used to serve plain decoding silently."""
+    import argparse
+
+    from actors.config import ServeConfig
+    from engine.yaml_config import load_yaml
+
+    ns = argparse.Namespace(host=None, port=None, speculative_method="none", num_speculative_tokens=4,
+                            speculative_policy=None)
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens: 4 needs a speculative_method .* - at `\$\.engine`"):
+        serve_app.apply_overrides(load_yaml("configs/embedded.yaml", ServeConfig), ns)
+
+
 @pytest.mark.parametrize(("port", "error"), [(0, ">= 1"), (-1, ">= 1"), (99999, "<= 65535"), (8123, None)])
 def test_a_port_override_is_validated_like_the_yaml(port, error):
     import argparse

@@ -203,6 +203,21 @@ def test_render_merges_sources_into_valid_text():
     assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
 
 
+def test_labelled_pages_of_several_replicas_keep_every_replicas_series():
+    pages = []
+    for drafts in (3, 5):  # two verifier replicas' engine metrics, same series names
+        em = EngineMetrics("tiny-moe")
+        em.record_step(drafts, 2 * drafts, drafts, [1, 0])
+        pages.append(em.render())
+    text = render((pages[0], {"replica": "verifier-a"}), (pages[1], {"replica": "verifier-b"})).decode()
+    samples = {(s.name, s.labels.get("replica")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    name = "specmoe:spec_decode_num_drafts_total"
+    assert samples[(name, "verifier-a")] == 3 and samples[(name, "verifier-b")] == 5
+    assert sum(v for (n, _), v in samples.items() if n == name) == 8  # what sum(...) reads
+    assert sum(ln.split()[:3] in (["#", "TYPE", name], ["#", "TYPE", name[:-6]]) for ln in text.splitlines()) == 1
+
+
 def test_declared_expert_series_are_exported_at_zero_before_any_call():
     em = EngineMetrics("tiny-moe")
     r = em.registry

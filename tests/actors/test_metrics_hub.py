@@ -1,0 +1,169 @@
+"""The metrics hub (``actors/metrics_hub.py``) without Ray: every replica's page in each scrape,
+fresh when it answers in time, its last one when not, none once it is gone; publishers that
+survive a failing hub."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from actors import metrics_hub
+from actors.metrics_hub import MetricsHub, MetricsPublisher, scrape_pages
+
+
+class _Remote:
+    """A Ray actor method as a caller sees it: ``.remote(...)`` gives an awaitable."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class _Ref:
+    """:class:`HubRef` over an in-process hub (looked up once, again after a reset);
+    ``failures`` lookups fail first."""
+
+    def __init__(self, hub: MetricsHub, failures: int = 0) -> None:
+        self.hub, self.failures, self.lookups, self.resets = hub, failures, 0, 0
+        self._handle = None
+
+    async def get(self):
+        if self._handle is None:
+            self.lookups += 1
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("hub gone")
+            self._handle = SimpleNamespace(**{n: _Remote(getattr(self.hub, n))
+                                              for n in ("wait_scrape", "deliver", "scrape")})
+        return self._handle
+
+    def reset(self) -> None:
+        self.resets += 1
+        self._handle = None
+
+
+class _Page:
+    """A replica's registry: each render is one more scrape seen."""
+
+    def __init__(self, name: str, block: asyncio.Event | None = None) -> None:
+        self.name, self.renders, self.block = name, 0, block
+
+    async def render(self) -> bytes:
+        if self.block is not None and self.renders:  # answers the first scrape only, then hangs
+            await self.block.wait()
+        self.renders += 1
+        return f"# TYPE scrapes counter\nscrapes_total{{page=\"{self.name}\"}} {self.renders}\n".encode()
+
+
+async def _publishing(hub: MetricsHub, *pages: _Page) -> list[MetricsPublisher]:
+    publishers = [MetricsPublisher(p.name, p.render, _Ref(hub)) for p in pages]
+    for p in publishers:
+        p.start()
+    for _ in range(100):  # until every publisher polls
+        if len(hub._last_seen) == len(pages):
+            break
+        await asyncio.sleep(0.01)
+    return publishers
+
+
+def _stop(publishers: list[MetricsPublisher]) -> None:
+    for p in publishers:
+        p._task.cancel()
+
+
+def test_a_scrape_gets_every_replicas_fresh_page_and_nothing_renders_unscraped():
+    async def run():
+        hub, a, b = MetricsHub(), _Page("verifier-a"), _Page("verifier-b")
+        publishers = await _publishing(hub, a, b)
+        await asyncio.sleep(0.05)
+        assert a.renders == b.renders == 0  # an unscraped server renders nothing
+        first = await hub.scrape(timeout_s=5.0)
+        second = await hub.scrape(timeout_s=5.0)
+        _stop(publishers)
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert [s for s, _ in first] == ["verifier-a", "verifier-b"]
+    assert [t.decode().split()[-1] for _, t in first] == ["1", "1"]
+    assert [t.decode().split()[-1] for _, t in second] == ["2", "2"]  # rendered again per scrape
+
+
+def test_a_replica_that_does_not_answer_in_time_is_served_from_its_last_page():
+    async def run():
+        hub, slow = MetricsHub(), _Page("verifier-slow", block=asyncio.Event())
+        publishers = await _publishing(hub, _Page("ingress-x"), slow)
+        await hub.scrape(timeout_s=5.0)
+        start = time.monotonic()
+        pages = dict(await hub.scrape(timeout_s=0.2))
+        waited_s = time.monotonic() - start
+        slow.block.set()
+        _stop(publishers)
+        return pages, waited_s
+
+    pages, waited_s = asyncio.run(run())
+    assert 0.2 <= waited_s < 2.0
+    assert pages["ingress-x"].decode().split()[-1] == "2"
+    assert pages["verifier-slow"].decode().split()[-1] == "1"  # its page of the first scrape
+
+
+def test_a_replica_not_heard_from_is_forgotten():
+    now = [100.0]
+
+    async def run():
+        hub = MetricsHub(forget_after_s=30.0, clock=lambda: now[0])
+        assert await hub.wait_scrape("verifier-dead", 0, 0.01) == 0  # polls once (a keepalive), then dies
+        await hub.deliver("verifier-dead", 0, b"# TYPE x counter\nx_total 1\n")
+        now[0] += 29.0
+        kept = await hub.scrape(timeout_s=0.05)
+        now[0] += 2.0
+        return kept, await hub.scrape(timeout_s=0.05)
+
+    kept, forgotten = asyncio.run(run())
+    assert [s for s, _ in kept] == ["verifier-dead"]
+    assert forgotten == []
+
+
+def test_a_publisher_looks_the_hub_up_again_after_a_failure(monkeypatch):
+    monkeypatch.setattr(metrics_hub, "RETRY_S", 0.01)
+
+    async def run():
+        hub, page = MetricsHub(), _Page("verifier-a")
+        ref = _Ref(hub, failures=2)
+        publisher = MetricsPublisher(page.name, page.render, ref)
+        publisher.start()
+        for _ in range(200):
+            if hub._last_seen:
+                break
+            await asyncio.sleep(0.01)
+        pages = await hub.scrape(timeout_s=5.0)
+        publisher._task.cancel()
+        return ref, pages
+
+    ref, pages = asyncio.run(run())
+    assert ref.lookups == 3 and ref.resets == 2
+    assert [s for s, _ in pages] == ["verifier-a"]
+
+
+def test_scraped_pages_are_labelled_by_replica_and_an_unreachable_hub_gives_none():
+    async def run():
+        hub = MetricsHub()
+        publishers = await _publishing(hub, _Page("verifier-a"))
+        pages = await scrape_pages(_Ref(hub), timeout_s=5.0)
+        _stop(publishers)
+        return pages, await scrape_pages(_Ref(hub, failures=1), timeout_s=0.1)
+
+    pages, unreachable = asyncio.run(run())
+    assert [labels for _, labels in pages] == [{"replica": "verifier-a"}]
+    assert unreachable is None
+
+
+def test_a_scrape_with_no_live_replica_returns_at_once():
+    async def run():
+        hub = MetricsHub()
+        start = time.monotonic()
+        pages = await hub.scrape(timeout_s=5.0)
+        return pages, time.monotonic() - start
+
+    pages, waited_s = asyncio.run(run())
+    assert pages == [] and waited_s < 1.0
