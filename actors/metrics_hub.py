@@ -149,6 +149,7 @@ class MetricsPublisher:
             except Exception as e:  # the hub died with its owner, or rendering failed: retry
                 log.debug("metrics publisher %s: %s: %s", self.source, type(e).__name__, e)
                 self._hub.reset()
+                seen = 0  # a new hub counts its scrapes from 0
                 await asyncio.sleep(RETRY_S)
 
 

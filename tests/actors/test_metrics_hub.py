@@ -11,13 +11,19 @@ from actors.metrics_hub import MetricsHub, MetricsPublisher, scrape_pages
 
 
 class _Remote:
-    """A Ray actor method as a caller sees it: ``.remote(...)`` gives an awaitable."""
+    """A Ray actor method as a caller sees it: ``.remote(...)`` gives an awaitable, which fails
+    once its actor (``hub``) is dead."""
 
-    def __init__(self, fn) -> None:
-        self.fn = fn
+    def __init__(self, hub: MetricsHub, name: str) -> None:
+        self.hub, self.fn = hub, getattr(hub, name)
+
+    async def _call(self, *args):
+        if getattr(self.hub, "dead", False):
+            raise ConnectionError("actor died")
+        return await self.fn(*args)
 
     def remote(self, *args):
-        return self.fn(*args)
+        return self._call(*args)
 
 
 class _Ref:
@@ -34,8 +40,7 @@ class _Ref:
             if self.failures:
                 self.failures -= 1
                 raise ConnectionError("hub gone")
-            self._handle = SimpleNamespace(**{n: _Remote(getattr(self.hub, n))
-                                              for n in ("wait_scrape", "deliver", "scrape")})
+            self._handle = SimpleNamespace(**{n: _Remote(self.hub, n) for n in ("wait_scrape", "deliver", "scrape")})
         return self._handle
 
     def reset(self) -> None:
@@ -143,6 +148,39 @@ def test_a_publisher_looks_the_hub_up_again_after_a_failure(monkeypatch):
     ref, pages = asyncio.run(run())
     assert ref.lookups == 3 and ref.resets == 2
     assert [s for s, _ in pages] == ["verifier-a"]
+
+
+def test_a_hub_that_died_is_replaced_and_its_successor_gets_every_page(monkeypatch):
+    """The hub dies with the replica that made it; the others make a new one, whose scrapes count
+    from 0 again, and their pages reach it."""
+    monkeypatch.setattr(metrics_hub, "RETRY_S", 0.01)
+
+    async def run():
+        first, page = MetricsHub(), _Page("verifier-a")
+        ref = _Ref(first)
+        publisher = MetricsPublisher(page.name, page.render, ref)
+        publisher.start()
+        for _ in range(100):
+            if first._last_seen:
+                break
+            await asyncio.sleep(0.01)
+        for _ in range(3):
+            await first.scrape(timeout_s=5.0)
+        first.dead, ref.hub = True, MetricsHub()
+        async with first._changed:  # wake the poll on the dead hub: its next call fails
+            first._generation += 1
+            first._changed.notify_all()
+        for _ in range(200):
+            if ref.hub._last_seen:
+                break
+            await asyncio.sleep(0.01)
+        pages = await ref.hub.scrape(timeout_s=5.0)
+        publisher._task.cancel()
+        return pages
+
+    pages = asyncio.run(run())
+    assert [s for s, _ in pages] == ["verifier-a"]
+    assert int(pages[0][1].decode().split()[-1]) > 3  # rendered again, for the new hub's first scrape
 
 
 def test_scraped_pages_are_labelled_by_replica_and_an_unreachable_hub_gives_none():
