@@ -73,6 +73,9 @@ PROBE_INTERVAL_S = 0.5  # how often a gone verifier is asked whether it is back
 # /health's wait for the verifier: a load balancer's probe gives up after a few seconds (Kubernetes'
 # default: 1 s), and a step of the embedded config lasts tens of ms, so 2 s is a hung or absent engine.
 HEALTH_TIMEOUT_S = 2.0
+# The status a request's span ends with when its client left before the request was read (nginx's
+# 499): not a finished request (no engine request was made), not a server error.
+CLIENT_CLOSED_REQUEST = 499
 
 
 class IngressServer:
@@ -272,6 +275,9 @@ class IngressServer:
         except ProtocolError as e:
             tel.finish(e.status, rid)
             return error_response(e.status, str(e), e.param, e.code)
+        except asyncio.CancelledError:  # the client left before its request was read: no engine request
+            tel.finish(CLIENT_CLOSED_REQUEST, rid)
+            raise
         # One telemetry per prompt (each is an engine request), all in this request's HTTP span.
         tels = Telemetries([tel] + [tel.for_another_prompt() for _ in prompts[1:]], rid)
         params = prompts[0].params
@@ -291,8 +297,9 @@ class IngressServer:
             for first in await first_items(streams, deadline):
                 if first["type"] == "error":
                     raise RequestFailed.from_item(first)
-        except asyncio.CancelledError:  # the client left before the first items
+        except asyncio.CancelledError:  # the client left before the first items: aborted requests
             _cancel(streams)
+            tels.finish(200)  # as a stream the client leaves: finished_reason "abort"
             raise
         except Exception as e:
             _cancel(streams)

@@ -218,6 +218,33 @@ def test_a_verifier_refusal_is_a_503_whose_code_and_metric_say_why():
 
 
 @pytest.mark.timeout(60)
+def test_a_client_leaving_before_its_first_token_is_counted_as_an_aborted_request():
+    """Found by a client trial: requests whose client left before the verifier's first items (a
+    long prompt still queued or prefilling) were in no metric at all."""
+    verifier = FakeVerifier()
+    queued = FakeStream([], then="hang")  # never admitted while the client waits
+    verifier.streams = [queued]
+    server, app = _server(verifier)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            request = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "stream": True}))
+            while not verifier.calls:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            request.cancel()  # the client disconnects
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(go())
+    assert queued.cancelled  # the verifier aborts it
+    count = server.metrics.registry.get_sample_value(
+        "specmoe:request_success_total", {"model_name": MODEL_NAME, "finished_reason": "abort"})
+    assert count == 1
+
+
+@pytest.mark.timeout(60)
 def test_a_draining_verifier_ends_streams_with_503_chunks_and_refuses_with_503():
     verifier = FakeVerifier()
     verifier.streams = [FakeStream([{"type": "accepted"}, _step("a"), unavailable_item("shutting down")]),
