@@ -18,7 +18,9 @@ from engine.errors import SpecmoeError
 MAX_LOGPROBS = 5
 MAX_N = 8
 MAX_SPECULATIVE_TOKENS = 16
-MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; per-sequence seeds wrap inside this range
+# Any signed 64-bit seed, as vLLM takes (OpenAI's schema sets no bound); a sequence's generator gets
+# (seed + index) mod 2**63, inside torch's 64-bit seeds.
+MAX_SEED = 2**63 - 1
 MAX_INT32 = 2**31 - 1
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
@@ -59,7 +61,7 @@ RANGES: dict[str, Range] = {
     "temperature": Range(0.0, MAX_TEMPERATURE),
     "top_p": Range(0.0, 1.0, lo_open=True),
     "top_k": Range(-1, MAX_INT32, note=" (-1 or 0 disables it)"),
-    "seed": Range(0, MAX_SEED),
+    "seed": Range(-MAX_SEED - 1, MAX_SEED),
     "logprobs": Range(0, MAX_LOGPROBS),
     "top_logprobs": Range(0, MAX_LOGPROBS),
     "num_speculative_tokens": Range(0, MAX_SPECULATIVE_TOKENS),

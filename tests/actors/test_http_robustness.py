@@ -34,7 +34,7 @@ BAD_INPUTS = [
     (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400),
     (CHAT, {**OK_CHAT, "model": "other"}, 404), (CHAT, {**OK_CHAT, "max_completion_tokens": 0}, 400),
     (C, {**OK_PROMPT, "top_k": 2**64 - 1}, 400), (C, {**OK_PROMPT, "seed": 2**64}, 400),
-    (C, {**OK_PROMPT, "seed": -1}, 400), (C, {**OK_PROMPT, "stop_token_ids": [2**40]}, 400),
+    (C, {**OK_PROMPT, "seed": -(2**63) - 1}, 400), (C, {**OK_PROMPT, "stop_token_ids": [2**40]}, 400),
     (C, {**OK_PROMPT, "prompt": [1.5, 2]}, 400), (C, {**OK_PROMPT, "logit_bias": {"5": 10}}, 400),
     (C, {**OK_PROMPT, "suffix": "x"}, 400), (C, {**OK_PROMPT, "presence_penalty": 0.5}, 400),
     (C, {**OK_PROMPT, "best_of": 3}, 400), (C, {**OK_PROMPT, "n": 2, "best_of": 1}, 400), (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400),

@@ -120,7 +120,10 @@ def test_seeded_sampling_is_the_same_with_any_draft_lengths_or_none(prompts):
 
 
 def test_a_different_seed_gives_a_different_sample(prompts):
-    out = {seed: run_staggered(make_engine("draft", 4, 4), prompts[:4],
-                               SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed))
-           for seed in (1, 2)}
-    assert out[1] != out[2]
+    def sample(seed: int) -> list:
+        return run_staggered(make_engine("draft", 4, 4), prompts[:4],
+                             SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed))
+
+    out = {seed: sample(seed) for seed in (1, 2, -1)}  # negative seeds too, as vLLM takes them
+    assert out[1] != out[2] and out[-1] not in (out[1], out[2])
+    assert sample(-1) == out[-1]

@@ -17,7 +17,7 @@ from engine.request_ranges import RANGES, RequestError, check_prompt
 # (field, refused value, accepted value at the edge of the range)
 EDGES = [
     ("temperature", 2.01, 2.0), ("temperature", -0.1, 0.0), ("top_p", 0.0, 1.0), ("top_p", 1.01, 1e-6),
-    ("n", 0, 1), ("n", 9, 8), ("top_k", -2, -1), ("seed", -1, 2**63 - 1), ("max_tokens", 0, 1),
+    ("n", 0, 1), ("n", 9, 8), ("top_k", -2, -1), ("seed", -(2**63) - 1, -(2**63)), ("seed", 2**63, 2**63 - 1), ("max_tokens", 0, 1),
     ("num_speculative_tokens", 17, 16), ("stop_token_ids", [3, -1], [0, 2**31 - 1]),
     ("stop", ["a", "b", "c", "d", "e"], ["a", "b", "c", "d"]), ("stop", [""], ["x"]),
     ("priority", 2**31, -(2**31)),
