@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import msgspec
+from tokenizers.decoders import ByteLevel
 
 _json = msgspec.json.Encoder()
 
@@ -24,46 +25,84 @@ def token_text(tokenizer, token_id: int) -> str:
     """One token's text, special tokens included (``<|endoftext|>``, as vLLM's logprobs show them:
     an empty string could not be told from a real empty token, and collides as a key of the
     completions ``top_logprobs``); ``token_id:<id>`` without a tokenizer (vLLM's
-    ``return_tokens_as_token_ids`` form)."""
+    ``return_tokens_as_token_ids`` form). A token holding part of a character decodes to U+FFFD."""
     if tokenizer is None:
         return f"token_id:{int(token_id)}"
     return tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
 
-def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -> dict:
-    """Legacy completions ``logprobs`` object for the given token logprob items.
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of the byte-level BPE alphabet (GPT-2, Radford et al. 2019; the
+    ``tokenizers`` ByteLevel pre-tokenizer's): printable Latin-1 bytes stand for themselves, each
+    other byte for the character 256 + its rank among them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The token's own bytes, which OpenAI's logprobs ``bytes`` carry so that a character split over
+    several tokens can be put together again: a byte-level BPE piece mapped back to its bytes;
+    otherwise (special tokens, other tokenizers, none) the UTF-8 of :func:`token_text`."""
+    text = token_text(tokenizer, token_id)
+    if tokenizer is None or not isinstance(getattr(tokenizer, "decoder", None), ByteLevel) \
+            or int(token_id) in tokenizer.get_added_tokens_decoder():
+        return text.encode()
+    piece = tokenizer.id_to_token(int(token_id))
+    if piece is None or any(c not in _BYTE_LEVEL for c in piece):
+        return text.encode()
+    return bytes(_BYTE_LEVEL[c] for c in piece)
+
+
+def logprob_token(tokenizer, token_id: int) -> str:
+    """A token as logprobs name it: its text, or, for a token that is part of a character (its bytes
+    are not UTF-8 alone), ``bytes:`` and the bytes escaped (``bytes:\\xe4\\xb8``, OpenAI's form), so
+    that different such tokens keep different names (U+FFFD for all of them merged the completions
+    ``top_logprobs`` entries keyed by name)."""
+    raw = token_bytes(tokenizer, token_id)
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return token_text(tokenizer, token_id)
+
+
+def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -> tuple[dict, int]:
+    """Legacy completions ``logprobs`` object for the given token logprob items, and the text
+    offset after the last of them.
 
     ``text_offset[j]`` is the character offset of token ``j``'s text in the completion text (vLLM's
     rule: the running sum of the decoded token lengths, from ``initial_offset``, the sum over the
     choice's earlier tokens).
     """
-    tokens = [token_text(tokenizer, i["token_id"]) for i in items]
+    tokens = [logprob_token(tokenizer, i["token_id"]) for i in items]
     offsets, at = [], initial_offset
-    for tok in tokens:
+    for i in items:
         offsets.append(at)
-        at += len(tok)
+        at += len(token_text(tokenizer, i["token_id"]))
     return {
         "tokens": tokens,
         "token_logprobs": [i["logprob"] for i in items],
         # The sampled token is always among them, as in OpenAI's legacy API and vLLM (up to
         # logprobs + 1 entries when it is not one of the most likely).
-        "top_logprobs": [{**{token_text(tokenizer, t): lp for t, lp in i["top"].items()}, tok: i["logprob"]}
+        "top_logprobs": [{**{logprob_token(tokenizer, t): lp for t, lp in i["top"].items()}, tok: i["logprob"]}
                          for i, tok in zip(items, tokens)],
         "text_offset": offsets,
-    }
+    }, at
 
 
 def chat_logprobs(items: list[dict], tokenizer) -> dict:
     """Chat ``logprobs.content`` for the given token logprob items."""
-    content = []
-    for i in items:
-        tok = token_text(tokenizer, i["token_id"])
-        tops = [(token_text(tokenizer, t), lp) for t, lp in i["top"].items()]
-        content.append({
-            "token": tok, "logprob": i["logprob"], "bytes": list(tok.encode()),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in tops],
-        })
-    return {"content": content}
+    def entry(token_id: int, logprob: float) -> dict:
+        return {"token": logprob_token(tokenizer, token_id), "logprob": logprob,
+                "bytes": list(token_bytes(tokenizer, token_id))}
+
+    return {"content": [{**entry(i["token_id"], i["logprob"]),
+                         "top_logprobs": [entry(t, lp) for t, lp in i["top"].items()]} for i in items]}
 
 
 class ResponseBuilder:
@@ -97,11 +136,17 @@ class ResponseBuilder:
         # string's partial match holds text back (its tokens are listed already).
         self._next_offset = [0] * n
 
-    def _lp(self, items: list[dict], offset: int = 0) -> dict | None:
+    def _lp(self, items: list[dict], i: int | None = None) -> dict | None:
+        """The logprobs of ``items``; with choice ``i``, a streamed chunk's, whose text offsets
+        continue from the choice's earlier chunks."""
         if not self.want_logprobs:
             return None
-        return completion_logprobs(items, self.tokenizer, offset) if self.kind == "completion" else chat_logprobs(
-            items, self.tokenizer)
+        if self.kind == "chat":
+            return chat_logprobs(items, self.tokenizer)
+        lp, end = completion_logprobs(items, self.tokenizer, 0 if i is None else self._next_offset[i])
+        if i is not None:
+            self._next_offset[i] = end
+        return lp
 
     def add(self, item: dict, prompt: int = 0) -> list[dict]:
         """Absorb a step item of prompt ``prompt``'s engine request; return the streaming chunks
@@ -135,9 +180,7 @@ class ResponseBuilder:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _chunk(self, i: int, c: dict) -> dict:
-        lp = self._lp(c["new_logprobs"] or [], self._next_offset[i])
-        if self.kind == "completion" and lp is not None and lp["tokens"]:
-            self._next_offset[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        lp = self._lp(c["new_logprobs"] or [], i)
         if self.kind == "completion":
             choice = {"index": i, "text": c["new_text"], "logprobs": lp}
             obj = "text_completion"

@@ -107,8 +107,36 @@ def test_logprob_tokens_show_special_tokens_by_name():
     eos = tokenizer.token_to_id("<|endoftext|>")
     newline = tokenizer.encode("\n").ids[-1]
     items = [{"token_id": eos, "logprob": -4.0, "top": {newline: -0.5, eos: -4.0}}]
-    legacy = completion_logprobs(items, tokenizer)
+    legacy, _ = completion_logprobs(items, tokenizer)
     assert legacy["tokens"] == ["<|endoftext|>"]
     assert legacy["top_logprobs"] == [{"\n": -0.5, "<|endoftext|>": -4.0}]
     chat = chat_logprobs(items, tokenizer)["content"][0]
     assert chat["token"] == "<|endoftext|>" and chat["bytes"] == list(b"<|endoftext|>")
+
+
+def test_tokens_that_are_parts_of_a_character_keep_their_own_bytes_and_names():
+    """Found by a client trial: such tokens all decode to U+FFFD, so chat ``bytes`` were
+    EF BF BD for every one (a split character could not be put together again) and the completions
+    ``top_logprobs``, keyed by name, kept one of five alternatives, with the least likely value."""
+    from pathlib import Path
+
+    from actors.responses import chat_logprobs, completion_logprobs
+    from engine.loader import load_tokenizer
+    from tests.actors.conftest import TARGET
+
+    tokenizer, _ = load_tokenizer(Path(TARGET))
+    text = "é中😀 ü"
+    ids = tokenizer.encode(text).ids
+    assert len(ids) > len(text)  # characters split over several tokens
+    top = {t: -1.0 - j for j, t in enumerate(ids[:5])}
+    items = [{"token_id": t, "logprob": -0.5, "top": top} for t in ids]
+    chat = chat_logprobs(items, tokenizer)["content"]
+    assert b"".join(bytes(c["bytes"]) for c in chat).decode() == text
+    assert [a["bytes"] for a in chat[0]["top_logprobs"]] == [list(bytes(c["bytes"])) for c in chat[:5]]
+    assert chat[0]["token"] == "bytes:\\xc3" and chat[-1]["token"] == "bytes:\\xbc"
+    assert [c["token"] for c in chat if not c["token"].startswith("bytes:")] == [" "]
+    legacy, end = completion_logprobs(items, tokenizer, initial_offset=7)
+    assert len(legacy["top_logprobs"][0]) == len(set(ids[:5]))  # five alternatives, five entries
+    assert legacy["tokens"] == [c["token"] for c in chat]
+    # text offsets still count each token's decoded text (one U+FFFD for a part), as vLLM does
+    assert legacy["text_offset"] == list(range(7, 7 + len(ids))) and end == 7 + len(ids)
