@@ -16,6 +16,9 @@ ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "inval
                503: "server_overloaded", 504: "timeout", 500: "internal_error"}
 RETRY_AFTER_S = {503: 1}  # Retry-After of a full queue or a shutting-down replica
 UNAVAILABLE_RETRY_AFTER_S = 5  # while the verifier is gone: about a replica restart
+# A request's span status when its client left before the request was read (nginx's 499): not a
+# finished request (no engine request was made), not a server error.
+CLIENT_CLOSED_REQUEST = 499
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -25,6 +25,7 @@ from actors.config import ServeConfig
 from actors.failover import ResumableStream
 from actors.fanout import first_items, interleave
 from actors.http_errors import (
+    CLIENT_CLOSED_REQUEST,
     UNAVAILABLE_RETRY_AFTER_S,
     RequestFailed,
     error_response,
@@ -73,9 +74,6 @@ PROBE_INTERVAL_S = 0.5  # how often a gone verifier is asked whether it is back
 # /health's wait for the verifier: a load balancer's probe gives up after a few seconds (Kubernetes'
 # default: 1 s), and a step of the embedded config lasts tens of ms, so 2 s is a hung or absent engine.
 HEALTH_TIMEOUT_S = 2.0
-# The status a request's span ends with when its client left before the request was read (nginx's
-# 499): not a finished request (no engine request was made), not a server error.
-CLIENT_CLOSED_REQUEST = 499
 
 
 class IngressServer:

@@ -61,14 +61,19 @@ class _Page:
         return f"# TYPE scrapes counter\nscrapes_total{{page=\"{self.name}\"}} {self.renders}\n".encode()
 
 
+async def _polled(hub: MetricsHub, num_sources: int = 1) -> None:
+    """Until ``num_sources`` publishers polled ``hub`` (2 s at most)."""
+    for _ in range(200):
+        if len(hub._last_seen) >= num_sources:
+            return
+        await asyncio.sleep(0.01)
+
+
 async def _publishing(hub: MetricsHub, *pages: _Page) -> list[MetricsPublisher]:
     publishers = [MetricsPublisher(p.name, p.render, _Ref(hub)) for p in pages]
     for p in publishers:
         p.start()
-    for _ in range(100):  # until every publisher polls
-        if len(hub._last_seen) == len(pages):
-            break
-        await asyncio.sleep(0.01)
+    await _polled(hub, len(pages))
     return publishers
 
 
@@ -137,10 +142,7 @@ def test_a_publisher_looks_the_hub_up_again_after_a_failure(monkeypatch):
         ref = _Ref(hub, failures=2)
         publisher = MetricsPublisher(page.name, page.render, ref)
         publisher.start()
-        for _ in range(200):
-            if hub._last_seen:
-                break
-            await asyncio.sleep(0.01)
+        await _polled(hub)
         pages = await hub.scrape(timeout_s=5.0)
         publisher._task.cancel()
         return ref, pages
@@ -160,20 +162,14 @@ def test_a_hub_that_died_is_replaced_and_its_successor_gets_every_page(monkeypat
         ref = _Ref(first)
         publisher = MetricsPublisher(page.name, page.render, ref)
         publisher.start()
-        for _ in range(100):
-            if first._last_seen:
-                break
-            await asyncio.sleep(0.01)
+        await _polled(first)
         for _ in range(3):
             await first.scrape(timeout_s=5.0)
         first.dead, ref.hub = True, MetricsHub()
         async with first._changed:  # wake the poll on the dead hub: its next call fails
             first._generation += 1
             first._changed.notify_all()
-        for _ in range(200):
-            if ref.hub._last_seen:
-                break
-            await asyncio.sleep(0.01)
+        await _polled(ref.hub)
         pages = await ref.hub.scrape(timeout_s=5.0)
         publisher._task.cancel()
         return pages
