@@ -40,6 +40,12 @@ class VerifierDeployment(VerifierServer):
     async def metrics_text(self) -> bytes:
         return await self.metrics_bytes()
 
+    def __del__(self) -> None:
+        # Serve calls this on replica shutdown (a downscale, a redeploy): out of the metrics pages now.
+        if getattr(self, "metrics_publisher", None) is not None:
+            self.metrics_publisher.stop()
+        super().__del__()
+
 
 @serve.deployment(name="ingress")
 @serve.ingress(app)
@@ -47,6 +53,11 @@ class IngressDeployment:
     def __init__(self, config: dict, verifier) -> None:
         self.server = IngressServer(msgspec.convert(config, ServeConfig), verifier)
         self.metrics_hub, self.metrics_publisher = _publish(self.server.config, self.server.own_metrics)
+
+    def __del__(self) -> None:
+        # Serve calls this on replica shutdown, after the ASGI app's own: out of the metrics pages now.
+        if getattr(self, "metrics_publisher", None) is not None:
+            self.metrics_publisher.stop()
 
     def __serve_build_asgi_app__(self):
         """Serve's hook, called in the replica after ``__init__`` and before the app serves: the

@@ -86,6 +86,13 @@ class MetricsHub:
                 log.warning("metrics of %s not delivered within %.1f s; their last pages are served", late, timeout_s)
         return [(s, self._texts[s][1]) for s in sorted(live) if s in self._texts]
 
+    async def forget(self, source: str) -> None:
+        """``source`` is shutting down: out of the pages now, and no scrape waits for it."""
+        async with self._changed:
+            self._last_seen.pop(source, None)
+            self._texts.pop(source, None)
+            self._changed.notify_all()
+
     def _forget(self) -> None:
         now = self._clock()
         for source, seen in list(self._last_seen.items()):
@@ -109,6 +116,11 @@ class HubRef:
 
     def reset(self) -> None:
         self._handle = None
+
+    @property
+    def current(self):
+        """The handle looked up last (None: none, or it failed since)."""
+        return self._handle
 
     def _lookup(self):
         import ray
@@ -134,6 +146,18 @@ class MetricsPublisher:
         """Start polling on the running event loop (once)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        """Leave the pages at once (the replica is shutting down: Serve calls its ``__del__``), so
+        that scrapes neither wait for it nor serve its last page for ``FORGET_AFTER_S``."""
+        if self._task is not None:
+            self._task.cancel()
+        hub = self._hub.current
+        if hub is not None:
+            try:
+                hub.forget.remote(self.source)  # not awaited: a shutdown must not wait on metrics
+            except Exception as e:
+                log.debug("metrics publisher %s: forget: %s", self.source, e)
 
     async def _run(self) -> None:
         seen = 0

@@ -11,8 +11,8 @@ from actors.metrics_hub import MetricsHub, MetricsPublisher, scrape_pages
 
 
 class _Remote:
-    """A Ray actor method as a caller sees it: ``.remote(...)`` gives an awaitable, which fails
-    once its actor (``hub``) is dead."""
+    """A Ray actor method as a caller sees it: ``.remote(...)`` submits the call and gives an
+    awaitable, which fails once its actor (``hub``) is dead."""
 
     def __init__(self, hub: MetricsHub, name: str) -> None:
         self.hub, self.fn = hub, getattr(hub, name)
@@ -23,7 +23,7 @@ class _Remote:
         return await self.fn(*args)
 
     def remote(self, *args):
-        return self._call(*args)
+        return asyncio.ensure_future(self._call(*args))  # submitted at once, as Ray does
 
 
 class _Ref:
@@ -40,12 +40,17 @@ class _Ref:
             if self.failures:
                 self.failures -= 1
                 raise ConnectionError("hub gone")
-            self._handle = SimpleNamespace(**{n: _Remote(self.hub, n) for n in ("wait_scrape", "deliver", "scrape")})
+            self._handle = SimpleNamespace(**{n: _Remote(self.hub, n)
+                                              for n in ("wait_scrape", "deliver", "scrape", "forget")})
         return self._handle
 
     def reset(self) -> None:
         self.resets += 1
         self._handle = None
+
+    @property
+    def current(self):
+        return self._handle
 
 
 class _Page:
@@ -132,6 +137,25 @@ def test_a_replica_not_heard_from_is_forgotten():
     kept, forgotten = asyncio.run(run())
     assert [s for s, _ in kept] == ["verifier-dead"]
     assert forgotten == []
+
+
+def test_a_replica_shutting_down_leaves_the_pages_at_once():
+    """Serve calls a replica's ``__del__`` on a downscale: its page goes, and no scrape waits the
+    full timeout for it until it would be forgotten."""
+    async def run():
+        hub, leaving = MetricsHub(), _Page("verifier-b")
+        publishers = await _publishing(hub, _Page("verifier-a"), leaving)
+        await hub.scrape(timeout_s=5.0)
+        publishers[1].stop()
+        await asyncio.sleep(0.05)  # the forget call is not awaited by stop()
+        start = time.monotonic()
+        pages = await hub.scrape(timeout_s=5.0)
+        waited_s = time.monotonic() - start
+        _stop(publishers[:1])
+        return pages, waited_s
+
+    pages, waited_s = asyncio.run(run())
+    assert [s for s, _ in pages] == ["verifier-a"] and waited_s < 1.0
 
 
 def test_a_publisher_looks_the_hub_up_again_after_a_failure(monkeypatch):
