@@ -25,7 +25,7 @@ def _publish(config: ServeConfig, render) -> tuple[HubRef | None, MetricsPublish
         context = serve.get_replica_context()
     except RayServeException:
         return None, None
-    hub = HubRef(config.experts.namespace, context.app_name)
+    hub = HubRef(config.experts.namespace, context.app_name, create=context.deployment == "ingress")
     publisher = MetricsPublisher(f"{context.deployment}-{context.replica_id.unique_id}", render, hub)
     publisher.start()
     return hub, publisher

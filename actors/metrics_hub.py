@@ -15,9 +15,9 @@ named Ray actor per application) is where the replicas meet for a scrape:
 
 Rendering happens only when scraped, as before, so an unscraped server pays nothing. A replica
 counts as live while it polled within ``forget_after_s``; a dead one drops out of the pages after
-that (Prometheus then sees its series end, and ``sum(rate(...))`` stops counting it). The hub is
-an ordinary actor owned by whichever replica made it first; if it dies with that replica, the
-others make a new one on their next poll.
+that (Prometheus then sees its series end, and ``sum(rate(...))`` stops counting it), one shutting
+down at once. The hub is an ordinary actor owned by the ingress replica that made it; if it dies
+with that replica, another ingress replica makes a new one at its next scrape or poll.
 """
 
 from __future__ import annotations
@@ -102,11 +102,18 @@ class MetricsHub:
 
 
 class HubRef:
-    """The application's hub actor, looked up (made if there is none: any replica may be first)
-    once and again after a failure. Lookups run off the event loop (a GCS round trip)."""
+    """The application's hub actor, looked up once and again after a failure (off the event loop:
+    a GCS round trip).
 
-    def __init__(self, namespace: str, app_name: str) -> None:
-        self.name, self.namespace = f"specmoe-metrics-hub-{app_name}", namespace
+    Args:
+        namespace, app_name: where the hub is named.
+        create: make the hub if there is none (the ingress replicas). The hub dies with the replica
+            that made it, so verifier replicas, which autoscaling adds and removes most, only look it
+            up (a lookup before any ingress made it fails, and the publisher tries again).
+    """
+
+    def __init__(self, namespace: str, app_name: str, create: bool = True) -> None:
+        self.name, self.namespace, self.create = f"specmoe-metrics-hub-{app_name}", namespace, create
         self._handle = None
 
     async def get(self):
@@ -125,6 +132,8 @@ class HubRef:
     def _lookup(self):
         import ray
 
+        if not self.create:
+            return ray.get_actor(self.name, self.namespace)  # ValueError while there is none
         return ray.remote(MetricsHub).options(name=self.name, namespace=self.namespace, get_if_exists=True,
                                               num_cpus=0).remote()
 

@@ -1,6 +1,6 @@
 """Serve autoscaling of serving units under a load ramp, from a Serve config file as `serve run`
 runs it: one verifier replica, two while eight streams run (target_ongoing_requests 2), one again
-after the load stops; every request completes."""
+after the load stops; every request completes, and /metrics follows the units."""
 
 import signal
 import subprocess
@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serving.server_process import free_port, wait_status
 from tests.test_lifecycle import _replicas
@@ -25,6 +26,13 @@ def _count_until(proc, want: int, timeout_s: float) -> float:
         time.sleep(0.5)
     raise AssertionError(f"verifier replicas did not reach {want} within {timeout_s} s "
                          f"(now {len(_replicas(proc, 'verifier'))})")
+
+
+def _verifier_pages(url: str) -> set[str]:
+    """The verifier replicas whose engine metrics one scrape of ``/metrics`` carries."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.labels["replica"] for f in text_string_to_metric_families(text) for s in f.samples
+            if s.labels.get("replica", "").startswith("verifier-")}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +85,13 @@ def test_units_scale_up_under_load_and_back_down_without_failed_requests(served)
         c.start()
     up_s = _count_until(proc, 2, timeout_s=180)
     time.sleep(5)  # both units serve for a while
+    both = _verifier_pages(url)
     stop.set()
     for c in clients:
         c.join(300)
     down_s = _count_until(proc, 1, timeout_s=180)
+    # The unit Serve stopped left the pages as it shut down (actors/metrics_hub.py): not served
+    # from its last page until forgotten 30 s later.
+    assert len(both) == 2 and len(_verifier_pages(url)) == 1, both
     assert results and all(r == (200, 64) for r in results), [r for r in results if r != (200, 64)][:5]
     print(f"scaled 1 -> 2 after {up_s:.1f} s of load, 2 -> 1 {down_s:.1f} s after it; {len(results)} requests")
