@@ -17,25 +17,25 @@ from actors.verifier import VerifierServer
 from observability.tracing import SERVICE_VERSION
 
 
-def _publish(config: ServeConfig, render) -> tuple[HubRef | None, MetricsPublisher | None]:
+def _publish(config: ServeConfig, render) -> MetricsPublisher | None:
     """This replica's metrics in every scrape of ``/metrics`` (``actors/metrics_hub.py``), named
-    ``<deployment>-<replica id>``; (None, None) outside a Serve replica (a test driving the class
-    alone). Serve runs a replica's constructor on its event loop."""
+    ``<deployment>-<replica id>``; None outside a Serve replica (a test driving the class alone).
+    Serve runs a replica's constructor on its event loop."""
     try:
         context = serve.get_replica_context()
     except RayServeException:
-        return None, None
+        return None
     hub = HubRef(config.experts.namespace, context.app_name, create=context.deployment == "ingress")
     publisher = MetricsPublisher(f"{context.deployment}-{context.replica_id.unique_id}", render, hub)
     publisher.start()
-    return hub, publisher
+    return publisher
 
 
 @serve.deployment(name="verifier")
 class VerifierDeployment(VerifierServer):
     def __init__(self, config: dict) -> None:
         super().__init__(config)
-        self.metrics_publisher = _publish(self.config, self.metrics_bytes)[1]
+        self.metrics_publisher = _publish(self.config, self.metrics_bytes)
 
     async def metrics_text(self) -> bytes:
         return await self.metrics_bytes()
@@ -52,7 +52,7 @@ class VerifierDeployment(VerifierServer):
 class IngressDeployment:
     def __init__(self, config: dict, verifier) -> None:
         self.server = IngressServer(msgspec.convert(config, ServeConfig), verifier)
-        self.metrics_hub, self.metrics_publisher = _publish(self.server.config, self.server.own_metrics)
+        self.metrics_publisher = _publish(self.server.config, self.server.own_metrics)
 
     def __del__(self) -> None:
         # Serve calls this on replica shutdown, after the ASGI app's own: out of the metrics pages now.
@@ -94,7 +94,8 @@ class IngressDeployment:
 
     @app.get("/metrics")
     async def metrics(self):
-        pages = await scrape_pages(self.metrics_hub) if self.metrics_hub is not None else None
+        publisher = self.metrics_publisher
+        pages = await scrape_pages(publisher.hub) if publisher is not None else None
         return await self.server.metrics_text(pages)
 
     @app.get("/version")  # vLLM's; open with an API key too, as in vLLM (actors/http_access.py)

@@ -72,7 +72,7 @@ class MetricsHub:
     async def scrape(self, timeout_s: float = SCRAPE_TIMEOUT_S) -> list[tuple[str, bytes]]:
         """Start a scrape and return ``(source, text)`` of every live source: fresh where it
         delivered within ``timeout_s``, else its last delivery (none yet: left out)."""
-        self._forget()
+        self._drop_silent()
         live = set(self._last_seen)
         async with self._changed:
             self._generation += 1
@@ -93,7 +93,8 @@ class MetricsHub:
             self._texts.pop(source, None)
             self._changed.notify_all()
 
-    def _forget(self) -> None:
+    def _drop_silent(self) -> None:
+        """Leave out the sources not heard from for ``forget_after_s`` (killed replicas)."""
         now = self._clock()
         for source, seen in list(self._last_seen.items()):
             if now - seen > self.forget_after_s:
@@ -148,7 +149,7 @@ class MetricsPublisher:
     """
 
     def __init__(self, source: str, render: Callable[[], Awaitable[bytes]], hub: HubRef) -> None:
-        self.source, self._render, self._hub = source, render, hub
+        self.source, self._render, self.hub = source, render, hub
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -161,7 +162,7 @@ class MetricsPublisher:
         that scrapes neither wait for it nor serve its last page for ``FORGET_AFTER_S``."""
         if self._task is not None:
             self._task.cancel()
-        hub = self._hub.current
+        hub = self.hub.current
         if hub is not None:
             try:
                 hub.forget.remote(self.source)  # not awaited: a shutdown must not wait on metrics
@@ -172,7 +173,7 @@ class MetricsPublisher:
         seen = 0
         while True:
             try:
-                hub = await self._hub.get()
+                hub = await self.hub.get()
                 generation = await hub.wait_scrape.remote(self.source, seen)
                 if generation > seen:
                     seen = generation
@@ -181,7 +182,7 @@ class MetricsPublisher:
                 raise
             except Exception as e:  # the hub died with its owner, or rendering failed: retry
                 log.debug("metrics publisher %s: %s: %s", self.source, type(e).__name__, e)
-                self._hub.reset()
+                self.hub.reset()
                 seen = 0  # a new hub counts its scrapes from 0
                 await asyncio.sleep(RETRY_S)
 

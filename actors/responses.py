@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import msgspec
@@ -44,18 +45,23 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 
 
+@functools.lru_cache(maxsize=8)
+def _added_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's added (special) tokens, whose pieces are their text, not bytes."""
+    return frozenset(tokenizer.get_added_tokens_decoder())
+
+
 def token_bytes(tokenizer, token_id: int) -> bytes:
     """The token's own bytes, which OpenAI's logprobs ``bytes`` carry so that a character split over
     several tokens can be put together again: a byte-level BPE piece mapped back to its bytes;
     otherwise (special tokens, other tokenizers, none) the UTF-8 of :func:`token_text`."""
-    text = token_text(tokenizer, token_id)
-    if tokenizer is None or not isinstance(getattr(tokenizer, "decoder", None), ByteLevel) \
-            or int(token_id) in tokenizer.get_added_tokens_decoder():
-        return text.encode()
-    piece = tokenizer.id_to_token(int(token_id))
-    if piece is None or any(c not in _BYTE_LEVEL for c in piece):
-        return text.encode()
-    return bytes(_BYTE_LEVEL[c] for c in piece)
+    token_id = int(token_id)
+    if tokenizer is not None and isinstance(getattr(tokenizer, "decoder", None), ByteLevel) \
+            and token_id not in _added_token_ids(tokenizer):
+        piece = tokenizer.id_to_token(token_id)
+        if piece is not None and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return token_text(tokenizer, token_id).encode()
 
 
 def logprob_token(tokenizer, token_id: int) -> str:
@@ -65,10 +71,9 @@ def logprob_token(tokenizer, token_id: int) -> str:
     ``top_logprobs`` entries keyed by name)."""
     raw = token_bytes(tokenizer, token_id)
     try:
-        raw.decode()
+        return raw.decode()  # the token's text (what the tokenizer decodes it to)
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-    return token_text(tokenizer, token_id)
 
 
 def completion_logprobs(items: list[dict], tokenizer, initial_offset: int = 0) -> tuple[dict, int]:
