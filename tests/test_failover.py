@@ -59,7 +59,9 @@ def _tail(log, num_lines: int = 40) -> str:
 
 
 def _proxies(proc) -> list[psutil.Process]:
-    return [p for p in process_tree(proc.pid) if "ProxyActor" in " ".join(p.cmdline())]
+    """Serve's HTTP proxies (``ray::ProxyActor``; not the compiled graphs' ``DAGDriverProxyActor``,
+    which a unit has once traffic built its graphs)."""
+    return [p for p in process_tree(proc.pid) if " ".join(p.cmdline()).startswith("ray::ProxyActor")]
 
 
 def _busiest_verifier(proc) -> psutil.Process:
