@@ -16,6 +16,10 @@ the server's compiled graphs are live (they build in the background, ~2 s, after
 teardown). At concurrency 1 the HTTP run streams, giving TPOT p50 (``(e2e - TTFT) / (n - 1)`` per
 request) against the in-process engine's time per output token. ``--compare-two-batch-overlap``
 adds the serving unit with ``experts.two_batch_overlap`` flipped (``unit_tbo_gain``: on / off).
+Each timed run also records the CPU time of every process (``cpu_ms_per_token``: CPU ms per output
+token by process, :mod:`benchmarks.serving.cpu_account`; this process is the client, the Ray
+driver and the in-process engine), against the machine's capacity (wall x cores): where the
+distributed path's extra CPU goes, pollers included, which traces do not show.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, Timer, load_prompts, machine, print_table, save_json  # noqa: E402
+from benchmarks.serving.cpu_account import CpuAccount  # noqa: E402
+
+PATHS = ("http", "unit", "engine")
 
 
 async def http_run(url: str, model: str, prompts: list[str], concurrency: int, k: int, max_tokens: int,
@@ -76,9 +83,10 @@ async def http_run(url: str, model: str, prompts: list[str], concurrency: int, k
             if handle is None or await _graphs_live(handle, k):
                 break
         tokens, tpots = 0, []
-        with Timer() as t:
+        with CpuAccount() as cpu, Timer() as t:
             await asyncio.gather(*[one(client, p) for p in prompts])
-    out = {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+    out = {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s,
+           "cpu": cpu.per_token_ms(tokens)}
     if tpots:
         out["tpot_p50_ms"] = statistics.median(tpots)
     return out
@@ -131,9 +139,10 @@ def engine_run(config, prompts: list[str], concurrency: int, k: int, max_tokens:
                                      scheduler=_scheduler(config, concurrency, scheduler)))
     ids = [engine.target.tokenizer.encode(p).ids for p in prompts]
     _drive(engine, ids[:concurrency], max_tokens, "warm")
-    with Timer() as t:
+    with CpuAccount() as cpu, Timer() as t:
         tokens = _drive(engine, ids, max_tokens, "run")
-    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s,
+            "cpu": cpu.per_token_ms(tokens)}
 
 
 def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: int,
@@ -170,7 +179,7 @@ def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: i
             _drive(engine, ids[:concurrency], max_tokens, f"warm{w}")
             if not graph or (router.graph.live and (drafter is None or drafter.graph is None or drafter.graph.live)):
                 break
-        with Timer() as t:
+        with CpuAccount() as cpu, Timer() as t:
             tokens = _drive(engine, ids, max_tokens, "run")
     finally:
         torch.set_num_threads(threads)
@@ -179,13 +188,14 @@ def unit_run(config, prompts: list[str], concurrency: int, k: int, max_tokens: i
             drafter.close()
             ray.kill(drafter.member.handle)
         pool.shutdown()
-    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s}
+    return {"tokens": tokens, "seconds": t.elapsed_s, "tok_per_s": tokens / t.elapsed_s,
+            "cpu": cpu.per_token_ms(tokens)}
 
 
 def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, args) -> dict:
     """HTTP, serving unit and in-process, interleaved ``--repeats`` times; medians (tok/s, ratios of
     the same repeat), so a noisy machine's drift hits both sides of a ratio alike."""
-    reps = []
+    reps, cpus = [], []
     for _ in range(args.repeats):
         h = asyncio.run(http_run(url, config.model_name, prompts, conc, k, args.max_tokens, handle, stream=conc == 1))
         # Let the server's compiled graphs reach their idle teardown: their polling readers
@@ -196,6 +206,7 @@ def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, ar
         e = engine_run(config, prompts, conc, k, args.max_tokens, args.in_process_scheduler)
         rep = {"http_tok_per_s": h["tok_per_s"], "unit_tok_per_s": u["tok_per_s"], "engine_tok_per_s": e["tok_per_s"],
                "ratio": h["tok_per_s"] / e["tok_per_s"], "unit_ratio": u["tok_per_s"] / e["tok_per_s"]}
+        cpus.append({"http": h["cpu"], "unit": u["cpu"], "engine": e["cpu"]})
         if args.compare_two_batch_overlap:  # the unit once more with the other setting: its gain
             time.sleep(config.experts.graph_idle_park_s + 1.0)
             x = config.experts
@@ -211,7 +222,27 @@ def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, ar
     row.update({key: statistics.median(r[key] for r in reps) for key in reps[0]})
     if args.repeats > 1:
         row["ratio_min_max"] = f"{min(r['ratio'] for r in reps):.3f}-{max(r['ratio'] for r in reps):.3f}"
+    row["cpu_ms_per_token"] = {path: _median_by_label([c[path] for c in cpus]) for path in PATHS}
     return row
+
+
+def _median_by_label(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per label, the median over repeats of CPU ms per output token (0 where a repeat lacks it)."""
+    labels = dict.fromkeys(label for run in runs for label in run)
+    return {label: statistics.median(run.get(label, 0.0) for run in runs) for label in labels}
+
+
+def print_cpu(rows: list[dict]) -> None:
+    """Per measured point and path, CPU milliseconds per output token of each process label (top
+    ones), the total, and the machine's capacity over the run (wall x cores) per token."""
+    out = []
+    for row in rows:
+        for path in PATHS:
+            cpu = row["cpu_ms_per_token"][path]
+            parts = ", ".join(f"{label} {ms:.2f}" for label, ms in cpu.items() if label not in ("total", "wall x cores"))
+            out.append({"concurrency": row["concurrency"], "k": row["k"], "path": path, "total": cpu["total"],
+                        "wall x cores": cpu["wall x cores"], "by process (CPU ms / token)": parts})
+    print_table(out, list(out[0]))
 
 
 def main() -> None:
@@ -247,11 +278,13 @@ def main() -> None:
         for conc in [int(c) for c in args.concurrency.split(",")]:
             for k in (config.engine.num_speculative_tokens, 0):
                 rows.append(_measure(config, url, handle, prompts, conc, k, args))
-                print_table(rows[-1:], list(rows[-1]))
+                print_table(rows[-1:], [c for c in rows[-1] if c != "cpu_ms_per_token"])
     finally:
         serve_app.stop()
     print()
-    print_table(rows, list(dict.fromkeys(c for r in rows for c in r)))  # every column any row has
+    print_table(rows, [c for c in dict.fromkeys(c for r in rows for c in r) if c != "cpu_ms_per_token"])
+    print()
+    print_cpu(rows)
     save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows})
 
 
