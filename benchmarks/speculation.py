@@ -8,7 +8,8 @@ Output tokens/s (greedy, or ``--temperature``) of the engine on the held-out pro
 controller (``speculative_policy: adaptive``, k at most ``--max-k``), and with ``--pipelined`` each
 of those drafting ahead as well (``pipelined_drafting``, "+pipe"). Every configuration runs
 ``--repeats`` times, interleaved (A B C A B C ...) so machine drift hits all alike; the median
-run counts. Ratios are against ``none`` at the same batch size, in the same run.
+run counts. Ratios are against ``none`` at the same batch size, in the same run; ``vs_none_min_max``
+is the range of each round's ratio (a configuration's run against plain decoding's of the same round).
 
 Every request produces exactly ``--max-tokens`` tokens (EOS ignored) unless ``--dataset-lengths``:
 then each produces its dataset row's ``max_tokens`` (the held-out continuation's length, 9-128
@@ -79,8 +80,12 @@ def sweep_batch(prompts, batch: int, configs: list[tuple[str, int]], params: lis
                      "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
                      "mean_k": mean_k, "acceptance": info["accepted"] / info["drafted"] if info["drafted"] else None})
     base = next(r["tok_per_s"] for r in rows if r["config"] == "none")
-    for r in rows:
+    none = next(c for c in configs if c[0] == "none")
+    for r, c in zip(rows, configs):
         r["vs_none"] = r["tok_per_s"] / base
+        # Each repeat's ratio against plain decoding's run of the same round: the spread is the noise.
+        ratios = [plain_s / own_s for plain_s, own_s in zip(times[none], times[c])]
+        r["vs_none_min_max"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
     return rows
 
 
@@ -113,9 +118,11 @@ def main() -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         rows += sweep_batch(prompts, batch, configs, params, args.repeats, args.speculative_method)
-        print_table(rows[-len(configs):], ["batch", "config", "tok_per_s", "vs_none", "mean_k", "acceptance"])
+        print_table(rows[-len(configs):], ["batch", "config", "tok_per_s", "vs_none", "vs_none_min_max", "mean_k",
+                                           "acceptance"])
     print()
-    print_table(rows, ["batch", "config", "tokens", "seconds", "tok_per_s", "vs_none", "mean_k", "acceptance"])
+    print_table(rows, ["batch", "config", "tokens", "seconds", "tok_per_s", "vs_none", "vs_none_min_max", "mean_k",
+                       "acceptance"])
     save_json(args.save_result, {"machine": machine(), "args": vars(args), "rows": rows})
 
 
