@@ -10,6 +10,7 @@ import torch
 from engine.sampling import (
     compute_probs,
     draw_uniforms,
+    exp1_from_bits,
     greedy_argmax,
     make_generator,
     race_noise,
@@ -144,6 +145,24 @@ def test_race_noise_is_a_function_of_seed_and_position_only():
     # The same row whatever else is drawn beside it, and token t's draw whatever the vocabulary size.
     rows = race_noise([(6, 3), (5, 3), (5, 4)], 80)
     assert torch.equal(rows[1, :64], a) and torch.equal(rows[2], race_noise([(5, 4)], 80)[0])
+
+
+def test_every_24_bit_draw_maps_to_a_positive_finite_strictly_decreasing_exp1_value():
+    """All 2**24 inputs: u = 2**24 - 1 used to round to (u + 0.5) / 2**24 = 1, a draw of -0."""
+    noise = exp1_from_bits(torch.arange(1 << 24, dtype=torch.int32))
+    assert noise.dtype == torch.float32 and bool(torch.isfinite(noise).all())
+    assert bool((noise[1:] < noise[:-1]).all())
+    assert abs(noise[-1].item() - 0.5 * 2.0 ** -24) < 1e-12 and abs(noise[0].item() - 24 * math.log(2) - math.log(2)) < 1e-5
+
+
+def test_a_seeded_sample_never_picks_a_zero_probability_token():
+    """(seed 2343, position 11) drew -0 for token 1813 of 4096 (a client's trial found a top-k = 20
+    sample of rank 1268): p / noise was NaN there and argmax took it."""
+    keys = [(2343, 11)]
+    assert bool((race_noise(keys, 4096) > 0).all())
+    p = torch.zeros(1, 4096)
+    p[0, 7] = 1.0  # top_k = 1: one token left
+    assert greedy_argmax(race_scores(p, keys)).tolist() == [7]
 
 
 def test_race_noise_is_exp1():
