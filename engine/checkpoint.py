@@ -85,7 +85,8 @@ class CheckpointReader:
             device: where the tensor goes.
 
         Raises:
-            CheckpointError: missing tensor, shape mismatch, or unreadable data.
+            CheckpointError: missing tensor, shape mismatch, integer data where floating-point
+                ``dtype`` is asked for, or unreadable data.
         """
         path = self._where.get(name)
         if path is None:
@@ -98,6 +99,9 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
             )
+        if dtype is not None and dtype.is_floating_point and not tensor.dtype.is_floating_point:
+            # Weights stored as integers are a broken or quantised export: a silent cast computes garbage.
+            raise CheckpointError(f"{path}: tensor {name!r} is stored as {tensor.dtype}, expected floating-point weights")
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
     def view(self, name: str, shape: Sequence[int]) -> torch.Tensor:

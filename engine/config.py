@@ -72,8 +72,9 @@ def load_model_config(checkpoint_dir: str | Path) -> ModelConfig:
 
     Raises:
         CheckpointError: the directory or config.json is missing or not JSON.
-        ConfigError: unknown architecture (the message lists the supported ones) or a missing or
-            unsupported field (named).
+        ConfigError: unknown architecture (the message lists the supported ones) or a missing,
+            unsupported or out-of-range field (named: sizes below 1, ``num_experts_per_tok`` beyond
+            the expert count, an EOS id outside the vocabulary).
     """
     raw = read_config_json(Path(checkpoint_dir), "a Hugging Face checkpoint directory")
     gen_path = Path(checkpoint_dir) / "generation_config.json"
@@ -109,11 +110,14 @@ def parse_hf_config(raw: dict[str, Any], generation_config: dict[str, Any] | Non
         raise ConfigError(f"config.architectures: unsupported architecture {arch!r}{hint}; supported: "
                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     get = _field_getter(raw)
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        _require_at_least(name, get(name, int), 1)
+    _require_at_least("max_position_embeddings", get("max_position_embeddings", int), 2)
     num_heads = get("num_attention_heads", int)
     hidden = get("hidden_size", int)
     head_dim = raw.get("head_dim") or hidden // num_heads
     num_layers = get("num_hidden_layers", int)
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=get("vocab_size", int),
         hidden_size=hidden,
@@ -132,6 +136,16 @@ def parse_hf_config(raw: dict[str, Any], generation_config: dict[str, Any] | Non
         eos_token_ids=_eos_ids(raw, generation_config or {}),
         moe=_moe_config(arch, raw, num_layers) if arch in MOE_ARCHITECTURES else None,
     )
+    bad_eos = [i for i in config.eos_token_ids if not 0 <= i < config.vocab_size]
+    if bad_eos:
+        where = "generation_config.eos_token_id" if "eos_token_id" in (generation_config or {}) else "config.eos_token_id"
+        raise ConfigError(f"{where}: {bad_eos[0]} is outside the vocabulary [0, {config.vocab_size})")
+    return config
+
+
+def _require_at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"config.{name}: must be >= {low}, got {value}")
 
 
 def _field_getter(raw: dict[str, Any]):
@@ -181,7 +195,7 @@ def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
     if arch == "MixtralForCausalLM":
         return MoEConfig(
             num_experts=get("num_local_experts", int),
-            top_k=get("num_experts_per_tok", int),
+            top_k=_top_k(get, "num_local_experts"),
             intermediate_size=get("intermediate_size", int),
             renormalize=True,
             sparse_layers=tuple(range(num_layers)),
@@ -189,17 +203,28 @@ def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
     step = int(raw.get("decoder_sparse_step", 1) or 1)
     mlp_only = set(raw.get("mlp_only_layers") or [])
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; hub configs use num_experts.
-    num_experts = get("num_experts" if "num_experts" in raw else "num_local_experts", int)
+    experts_field = "num_experts" if "num_experts" in raw else "num_local_experts"
+    num_experts = get(experts_field, int)
     sparse = tuple(i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
     shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
     return MoEConfig(
         num_experts=num_experts,
-        top_k=get("num_experts_per_tok", int),
+        top_k=_top_k(get, experts_field) if num_experts > 0 else get("num_experts_per_tok", int),
         intermediate_size=get("moe_intermediate_size", int),
         renormalize=bool(raw.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=shared,
         sparse_layers=sparse,
     )
+
+
+def _top_k(get, experts_field: str) -> int:
+    """``num_experts_per_tok``, checked against the expert count (a top-k beyond it failed every
+    forward at run time instead of the load)."""
+    top_k, num_experts = get("num_experts_per_tok", int), get(experts_field, int)
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"config.num_experts_per_tok: must be in [1, config.{experts_field} = {num_experts}], "
+                          f"got {top_k}")
+    return top_k
 
 
 def context_window(max_model_len: int | None, max_position_embeddings: int, field: str = "max_model_len") -> int:

@@ -78,6 +78,7 @@ class LLMEngine:
         self.target = target
         self.observer = observer or NullStepObserver()
         self.last_step = StepStats()
+        self.last_step_error: Exception | None = None  # the latest step's failure (offline generate raises it)
         self.drafter = drafter
         # EAGLE-3: the target layers whose input the drafter reads, kept per sequence.
         self.feature_layers: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", ()))
@@ -211,8 +212,9 @@ class LLMEngine:
                 if not sched.prefills:  # the realised goodput check compares pure-decode steps only
                     self.controller.observe_goodput(self.stats.num_emitted_tokens - before[2],
                                                     time.perf_counter() - start)
-            except Exception:  # a failed step fails only the sequences in it; the engine keeps serving
+            except Exception as e:  # a failed step fails only the sequences in it; the engine keeps serving
                 log.exception("engine step failed; failing %d sequences", len(seqs))
+                self.last_step_error = e
                 drafts = {}
                 for seq in seqs:
                     if seq.status is not SeqStatus.FINISHED:

@@ -19,3 +19,13 @@ class QueueFull(SpecmoeError):
     ``code``: the OpenAI error body's ``code`` and the ``reason`` of ``request_refused_total``."""
 
     code = "queue_full"
+
+
+class GenerationError(RuntimeError):
+    """An engine step failed for these requests (their ``finish_reason`` is ``"error"``; the engine
+    itself keeps serving). Raised by the offline :meth:`engine.llm.LLM.generate`, chained from the
+    step's exception; ``outputs`` holds every output of the call, in prompt order."""
+
+    def __init__(self, message: str, outputs: list) -> None:
+        super().__init__(message)
+        self.outputs = outputs

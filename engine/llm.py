@@ -13,6 +13,7 @@ from engine.args import EngineArgs
 from engine.chat_template import ChatTemplate
 from engine.config import context_window
 from engine.engine import LLMEngine
+from engine.errors import GenerationError
 from engine.loader import encode_text, load_model
 from engine.outputs import RequestOutput
 from engine.request_ranges import RequestError, check_without_tokenizer, is_token_ids
@@ -38,8 +39,9 @@ class LLM:
         model: target checkpoint directory.
         draft_model, speculative_method, num_speculative_tokens, speculative_policy,
             pipelined_drafting, dtype, device, max_model_len, compile: see :class:`engine.args.EngineArgs`.
-        max_num_seqs, max_num_batched_tokens, spec_disable_batch_size, enable_chunked_prefill:
-            scheduler settings (:class:`engine.scheduler.SchedulerConfig`).
+        max_num_seqs, max_num_batched_tokens, spec_disable_batch_size, enable_chunked_prefill,
+            scheduling_policy: scheduler settings (:class:`engine.scheduler.SchedulerConfig`;
+            ``scheduling_policy="priority"`` makes ``SamplingParams.priority`` order the queue, as vLLM's).
         skip_tokenizer_init: load no tokenizer; ``generate`` then takes token-id prompts only and
             returns token ids (``CompletionOutput.token_ids``) with empty text.
 
@@ -64,12 +66,13 @@ class LLM:
         max_num_batched_tokens: int = 4096,
         spec_disable_batch_size: int = 0,
         enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
         skip_tokenizer_init: bool = False,
         compile: bool = False,
     ) -> None:
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_waiting=1 << 20, spec_disable_batch_size=spec_disable_batch_size,
-                                enable_chunked_prefill=enable_chunked_prefill)
+                                enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=scheduling_policy)
         self.args = EngineArgs(model=model, draft_model=draft_model, speculative_method=speculative_method,
                                num_speculative_tokens=num_speculative_tokens,
                                speculative_policy=speculative_policy, pipelined_drafting=pipelined_drafting,
@@ -97,6 +100,8 @@ class LLM:
             ValueError: bad prompt or parameters (see :meth:`LLMEngine.add_request`); the prompts of
                 this call queued before the bad one are withdrawn, so nothing of it runs later.
                 Likewise, a KeyboardInterrupt mid-run aborts this call's requests before it propagates.
+            GenerationError: an engine step failed for some of the prompts (finish reason
+                ``"error"``), chained from the step's exception; its ``outputs`` are every output.
         """
         if isinstance(prompts, dict):
             prompts = [prompts]
@@ -116,13 +121,18 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         requests = []
         try:
-            for prompt, p in zip(prompts, params):
-                requests.append(self._add(prompt, p))
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                requests.append(self._add(prompt, p, i if len(prompts) > 1 else None))
             self._run(requests, use_tqdm)
         except BaseException:  # bad input, or Ctrl-C mid-run: nothing of this call stays queued or running
             for r in requests:
                 self.engine.abort_request(r.request_id)
             raise
+        failed = [i for i, r in enumerate(requests) if any(c.finish_reason == "error" for c in r.outputs)]
+        if failed:  # the serving engine fails such requests alone; an offline caller must not get "" silently
+            cause = self.engine.last_step_error
+            raise GenerationError(f"generation failed for prompt(s) {failed}: the engine step raised "
+                                  f"{type(cause).__name__}: {cause}", requests) from cause
         return requests
 
     def chat(
@@ -163,7 +173,17 @@ class LLM:
         prompts = [template.render(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add(self, prompt: object, params: SamplingParams) -> RequestOutput:
+    def _add(self, prompt: object, params: SamplingParams, index: int | None = None) -> RequestOutput:
+        """Queue one prompt; a RequestError names the prompt's ``index`` in a batch (as the HTTP
+        path's ``prompt[i]: ``)."""
+        try:
+            return self._add_one(prompt, params)
+        except RequestError as e:
+            if index is None:
+                raise
+            raise RequestError(f"prompt[{index}]: {e}", e.param, e.code) from e
+
+    def _add_one(self, prompt: object, params: SamplingParams) -> RequestOutput:
         prompt = _unwrap_prompt_dict(prompt)
         text = prompt if isinstance(prompt, str) else None
         if text is None and not is_token_ids(prompt):

@@ -124,6 +124,20 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
                for i in range(tokenizer.get_vocab_size(with_added_tokens=True)))
 
 
+def check_layer_count(reader: CheckpointReader, config: ModelConfig) -> None:
+    """A checkpoint holding layers past ``config.num_hidden_layers`` does not match its config:
+    loading the first layers only ran a truncated model without a word.
+
+    Raises:
+        ConfigError: naming the field and the first tensor of a layer beyond it.
+    """
+    beyond = [name for name in reader.names()
+              if name.startswith("model.layers.") and int(name.split(".")[2]) >= config.num_layers]
+    if beyond:
+        raise ConfigError(f"config.num_hidden_layers: {config.num_layers}, but the checkpoint has tensors of "
+                          f"later layers (e.g. {beyond[0]!r})")
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "float32",
@@ -145,11 +159,13 @@ def load_model(
     """
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+        what = "is a file; pass its directory" if path.is_file() else "does not exist"
+        raise CheckpointError(f"checkpoint directory {str(path)!r} {what}")
     torch_dtype = resolve_dtype(dtype)
     check_device_present(device)
     config = load_model_config(path)
     reader = CheckpointReader(path)
+    check_layer_count(reader, config)
     if config.is_moe and experts is None:
         store = ExpertStore(reader, config, dtype=torch_dtype, device=device)
         store.load_all()

@@ -226,5 +226,6 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
         RequestError: ``param`` "priority": non-zero under ``fcfs``.
     """
     if priority and scheduling_policy == "fcfs":
-        raise RequestError(f"'priority' {priority} needs priority scheduling; this server schedules first come, "
-                           f"first served (engine.scheduler.scheduling_policy: fcfs)", param="priority")
+        raise RequestError(f"'priority' {priority} needs priority scheduling; this engine schedules first come, "
+                           f"first served (engine.scheduler.scheduling_policy: fcfs; offline: "
+                           f"LLM(scheduling_policy='priority'))", param="priority")

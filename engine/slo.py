@@ -101,8 +101,9 @@ class SLOPolicy:
         which leave as they finish (:meth:`prefill_phases`, :func:`wait_estimate_s`), with each
         prompt's attention over itself (:func:`engine.spec_cost.prefill_attention_pairs`)."""
         if params.slo_class is not None and params.slo_class not in self.config.slo_classes:
-            raise RequestError(f"'slo_class' must be one of {sorted(self.config.slo_classes)}, got "
-                               f"{params.slo_class!r}", param="slo_class")
+            known = (f"must be one of {sorted(self.config.slo_classes)}" if self.config.slo_classes else
+                     "names no class: none is configured (engine.scheduler.slo_classes)")
+            raise RequestError(f"'slo_class' {known}, got {params.slo_class!r}", param="slo_class")
         slo = self.config.slo_for(params.slo_class)[1]
         if not self.config.refuse_unattainable_ttft or slo is None or slo.ttft_ms is None:
             return

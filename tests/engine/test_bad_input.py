@@ -51,6 +51,34 @@ def test_shape_mismatch_names_tensor_and_both_shapes(ckpt):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"num_hidden_layers": 1}, r"config\.num_hidden_layers: 1, but the checkpoint has tensors of later layers "
+                               r"\(e\.g\. 'model\.layers\.1\."),
+    ({"num_experts_per_tok": 9}, r"config\.num_experts_per_tok: must be in \[1, config\.num_local_experts = \d+\], got 9"),
+    ({"num_experts_per_tok": 0}, r"config\.num_experts_per_tok: must be in \[1, "),
+    ({"eos_token_id": 99999}, r"config\.eos_token_id: 99999 is outside the vocabulary \[0, \d+\)"),
+    ({"max_position_embeddings": -5}, r"config\.max_position_embeddings: must be >= 2, got -5"),
+    ({"vocab_size": 0}, r"config\.vocab_size: must be >= 1, got 0"),
+])
+def test_a_config_that_does_not_fit_its_checkpoint_is_refused_at_load_naming_the_field(ckpt, changes, message):
+    """Each of these loaded before: fewer layers ran a truncated model, a top-k beyond the experts
+    failed every request at run time, an EOS outside the vocabulary never stopped a sequence."""
+    (ckpt / "generation_config.json").unlink(missing_ok=True)
+    _edit_config(ckpt, **changes)
+    with pytest.raises(ConfigError, match=message):
+        load_model(ckpt)
+
+
+def test_weights_stored_as_integers_are_refused_naming_the_tensor(ckpt):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is stored as torch\.int32, expected floating-point"):
+        load_model(ckpt)
+
+
 def test_truncated_safetensors(ckpt):
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -113,6 +141,30 @@ def test_generate_with_a_bad_prompt_leaves_nothing_queued():
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
 
 
+def test_a_failed_engine_step_raises_from_offline_generate_and_the_engine_keeps_serving(monkeypatch):
+    """The step's exception fails its sequences (finish reason "error"); offline, generate used to
+    return their empty outputs as if nothing happened."""
+    from engine import LLM, SamplingParams
+    from engine.errors import GenerationError
+    from tests.engine.bundled import TARGET
+
+    llm = LLM(TARGET)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    expected = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("expert executor exploded")
+
+    with monkeypatch.context() as m:
+        m.setattr(llm.engine, "_verify_and_emit", broken)
+        with pytest.raises(GenerationError, match=r"prompt\(s\) \[0, 1\].*RuntimeError: expert executor exploded") as err:
+            llm.generate([[5, 6, 7], [8, 9]], params)
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert [o.outputs[0].finish_reason for o in err.value.outputs] == ["error", "error"]
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.num_used == 0
+    assert [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)] == expected
+
+
 def test_a_request_may_lower_its_draft_length_but_not_raise_it_and_stop_ids_are_in_the_vocabulary():
     from engine import LLM, SamplingParams
     from engine.request_ranges import RequestError
@@ -156,6 +208,8 @@ def test_an_n_beyond_the_servers_capacity_is_refused_not_queued_for_a_retry():
     ({"speculative_policy": "greedy"}, r"^speculative_policy: Invalid enum value 'greedy'"),
     ({"num_speculative_tokens": 4.5}, r"^num_speculative_tokens: Expected `int \| null`, got `float`"),
     ({"num_speculative_tokens": "4"}, r"^num_speculative_tokens: Expected `int \| null`, got `str`"),
+    # an unused draft model was ignored without a word (a typo'd path too)
+    ({"speculative_method": "ngram", "draft_model": "/tmp/none"}, r"^draft_model: speculative_method 'ngram' .*'/tmp/none'"),
 ])
 def test_engine_args_built_by_hand_refuse_wrong_types_and_values_naming_the_field(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -270,3 +324,26 @@ def test_sampling_params_changed_after_construction_are_checked_again_when_added
         with pytest.raises(RequestError, match=message) as err:
             llm.generate([[5, 6, 7]], params)
         assert err.value.param == name and not llm.engine.has_unfinished_requests()
+
+
+def test_offline_refusals_name_the_prompt_and_say_what_would_work(tmp_path):
+    """A trial's findings: a batch's bad prompt was not named, an unknown SLO class listed "one of
+    []", priority pointed to a server setting LLM() lacked, a config.json path read "does not exist"."""
+    from engine import LLM, SamplingParams
+    from tests.engine.bundled import TARGET
+
+    llm = LLM(TARGET, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match=r"^prompt\[1\]: the prompt has 70 tokens") as err:
+        llm.generate([[5, 6], [7] * 70], params)
+    assert (err.value.param, err.value.code) == ("prompt", "context_length_exceeded")
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match=r"'slo_class' names no class: none is configured .*got 'gold'"):
+        llm.generate([5, 6], SamplingParams(max_tokens=4, slo_class="gold"))
+    with pytest.raises(ValueError, match=r"LLM\(scheduling_policy='priority'\)"):
+        llm.generate([5, 6], SamplingParams(max_tokens=4, priority=3))
+    ranked = LLM(TARGET, max_model_len=64, scheduling_policy="priority")
+    out = ranked.generate([[5, 6], [7, 8]], [SamplingParams(temperature=0.0, max_tokens=4, priority=p) for p in (3, -1)])
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    with pytest.raises(CheckpointError, match="is a file; pass its directory"):
+        load_model(f"{TARGET}/config.json")
