@@ -11,7 +11,7 @@ import torch
 from engine.detokenizer import SequenceOutputState
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import make_generator
-from engine.sampling_params import MAX_SEED, SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -61,7 +61,8 @@ class Sequence:
         no generator."""
         completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
         request.outputs.append(completion)
-        seed = (params.seed + index) % (MAX_SEED + 1) if params.seed is not None \
+        # Modulo 2**64: every signed 64-bit seed its own stream (modulo 2**63, -1 was 2**63 - 1's).
+        seed = (params.seed + index) % 2**64 if params.seed is not None \
             else int.from_bytes(os.urandom(7), "little")
         state = SequenceOutputState(tokenizer, params, eos_token_id, request.prompt_token_ids)
         gen = None if params.greedy else make_generator(seed)
