@@ -286,6 +286,8 @@ def apply_overrides(config: ServeConfig, args: argparse.Namespace) -> ServeConfi
         raw["engine"].update(speculative_method=None, draft_model=None, num_speculative_tokens=0)
     elif args.speculative_method:
         raw["engine"]["speculative_method"] = args.speculative_method
+        if args.speculative_method == "ngram":  # the config's draft model has no part in n-gram drafting
+            raw["engine"]["draft_model"] = None
     if getattr(args, "draft_model", None):
         raw["engine"]["draft_model"] = args.draft_model
     if args.num_speculative_tokens is not None:

@@ -29,7 +29,8 @@ SPECMOE_CONFIGS = [("off", None, 0), ("draft", "draft", 2), ("draft", "draft", 4
 def bench_specmoe(prompts: list[list[int]], batch: int, method, k: int, max_tokens: int, repeats: int,
                   compile: bool = False) -> dict:
     llm = LLM(TARGET, draft_model=DRAFT if method == "draft" else None, speculative_method=method,
-              num_speculative_tokens=k, max_num_seqs=batch, max_num_batched_tokens=16384, compile=compile)
+              num_speculative_tokens=k, max_num_seqs=batch, max_num_batched_tokens=16384, compile=compile,
+              speculative_policy="fixed")  # the rows name k: every step drafts it (adaptive is speculation.py's)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:batch], params)  # warm-up (compiles too: prefill and decode shapes)
     base = llm.get_metrics()

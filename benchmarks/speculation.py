@@ -106,6 +106,11 @@ def main() -> None:
                         help="the drafter: the bundled draft model or the bundled EAGLE-3 head")
     parser.add_argument("--save-result")
     args = parser.parse_args()
+    for name in ("num_prompts", "repeats", "max_k", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.pipelined and args.speculative_method != "draft":
+        parser.error("--pipelined drafts ahead with the draft model: it needs --speculative-method draft")
     torch.set_num_threads(2)
     tok = LLM(TARGET).tokenizer
     rows = load_prompts(args.num_prompts)

@@ -84,6 +84,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.speculative_method = "draft"
         if self.speculative_method in ("draft", "eagle3") and self.draft_model is None:
             raise ConfigError(f"draft_model: speculative_method {self.speculative_method!r} needs draft_model")
+        if self.speculative_method == "ngram" and self.draft_model is not None:
+            raise ConfigError(f"draft_model: speculative_method 'ngram' drafts from the prompt and uses no draft "
+                              f"model, got {self.draft_model!r}")
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_K if self.speculative_method else 0
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

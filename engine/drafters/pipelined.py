@@ -74,8 +74,12 @@ class PipelinedDrafter:
     def _draft_ahead(self, requests: list[DraftRequest], proposals: list[DraftProposal]) -> None:
         # Copies: the request's tokens may be the engine's live list, which grows meanwhile.
         nxt = []
+        max_len = getattr(getattr(self.inner, "kv", None), "max_len", None)
         for r, p in zip(requests, proposals):
-            if not r.samples and p.token_ids:
+            # The window ahead caches the sequence, this window and all but the last of its own
+            # len + 1 tokens: past the drafter's context it can only fail (it logged every step).
+            fits = max_len is None or len(r.token_ids) + 2 * len(p.token_ids) <= max_len
+            if not r.samples and p.token_ids and fits:
                 nxt.append(DraftRequest(r.seq_id, list(r.token_ids) + p.token_ids, len(p.token_ids) + 1))
                 p.drafting_ahead = True
         if not nxt:

@@ -92,3 +92,17 @@ def test_a_failure_while_drafting_ahead_falls_back_to_drafting_without_loss(prom
     m = engine.get_metrics()
     assert m["pipelined_windows"]["used"] == 0 and m["pipelined_windows"]["discarded"] > 0
     assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0  # still speculating
+
+
+def test_no_window_is_drafted_ahead_past_the_drafters_context(prompts, caplog):
+    """At the end of the context window drafting ahead could only fail (a KVCacheFull warning
+    every step, a trial found); a window that fits is still drafted ahead."""
+    pipelined = PipelinedDrafter(DraftModelDrafter(loaded_draft(), 2, 16))
+    with caplog.at_level("WARNING", logger="engine.drafters.pipelined"):
+        near_end = pipelined.propose([DraftRequest("s", prompts[0][:9], 4)])[0]  # 9 + 2 x 4 > 16
+        assert len(near_end.token_ids) == 4 and not near_end.drafting_ahead
+        fits = pipelined.propose([DraftRequest("t", prompts[1][:8], 4)])[0]  # 8 + 2 x 4 = 16
+        assert fits.drafting_ahead
+        pipelined.propose([DraftRequest("t", prompts[1][:8] + fits.token_ids, 1)])  # waits for it (12 + 2 fit)
+    assert pipelined.num_windows_prepared == 2 and not caplog.records
+    pipelined.close()
