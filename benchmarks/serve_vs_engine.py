@@ -229,7 +229,9 @@ def _measure(config, url: str, handle, prompts: list[str], conc: int, k: int, ar
 def _median_by_label(runs: list[dict[str, float]]) -> dict[str, float]:
     """Per label, the median over repeats of CPU ms per output token (0 where a repeat lacks it)."""
     labels = dict.fromkeys(label for run in runs for label in run)
-    return {label: statistics.median(run.get(label, 0.0) for run in runs) for label in labels}
+    medians = {label: statistics.median(run.get(label, 0.0) for run in runs) for label in labels}
+    last = ("other", "total", "wall x cores")  # after the processes, largest first
+    return dict(sorted(medians.items(), key=lambda kv: (kv[0] in last, last.index(kv[0]) if kv[0] in last else -kv[1])))
 
 
 def print_cpu(rows: list[dict]) -> None:
