@@ -35,6 +35,7 @@ class CheckpointReader:
         self._files: dict[Path, object] = {}
         self._maps: dict[Path, tuple[torch.Tensor, int, dict]] = {}  # file -> (bytes, data start, header)
         self._where: dict[str, Path] = self._index()
+        self.read: set[str] = set()  # names loaded or viewed so far (:meth:`unread`)
 
     def _index(self) -> dict[str, Path]:
         index = self.dir / "model.safetensors.index.json"
@@ -69,6 +70,10 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return sorted(self._where)
 
+    def unread(self) -> list[str]:
+        """Stored tensors nothing has loaded or viewed yet, sorted."""
+        return sorted(self._where.keys() - self.read)
+
     def get(
         self,
         name: str,
@@ -99,9 +104,13 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
             )
-        if dtype is not None and dtype.is_floating_point and not tensor.dtype.is_floating_point:
-            # Weights stored as integers are a broken or quantised export: a silent cast computes garbage.
-            raise CheckpointError(f"{path}: tensor {name!r} is stored as {tensor.dtype}, expected floating-point weights")
+        if dtype is not None and dtype.is_floating_point and (not tensor.dtype.is_floating_point
+                                                              or tensor.element_size() == 1):
+            # Integer or float8 weights are a broken or quantised export (scales elsewhere): a
+            # silent cast computes garbage.
+            raise CheckpointError(f"{path}: tensor {name!r} is stored as {tensor.dtype}, expected bfloat16, "
+                                  f"float16 or float32 weights")
+        self.read.add(name)
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
     def view(self, name: str, shape: Sequence[int]) -> torch.Tensor:
@@ -123,6 +132,7 @@ class CheckpointReader:
         if meta["dtype"] not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta['dtype']}, which cannot be viewed")
         begin, end = meta["data_offsets"]
+        self.read.add(name)
         return data[start + begin:start + end].view(_SAFETENSORS_DTYPES[meta["dtype"]]).view(tuple(shape))
 
     def _mapped(self, path: Path) -> tuple[torch.Tensor, int, dict]:

@@ -109,6 +109,8 @@ def parse_hf_config(raw: dict[str, Any], generation_config: dict[str, Any] | Non
         hint = " (an EAGLE-3 draft head: load it with speculative_method 'eagle3')" if "eagle" in str(arch).lower() else ""
         raise ConfigError(f"config.architectures: unsupported architecture {arch!r}{hint}; supported: "
                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    _refuse_unsupported(raw)
+    defaults = _HF_DEFAULTS.get(arch, {})
     get = _field_getter(raw)
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         _require_at_least(name, get(name, int), 1)
@@ -126,13 +128,13 @@ def parse_hf_config(raw: dict[str, Any], generation_config: dict[str, Any] | Non
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=int(head_dim),
         intermediate_size=get("intermediate_size", int),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw),
+        rms_norm_eps=float(raw.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
+        rope_theta=_rope_theta(raw, defaults.get("rope_theta", 10000.0)),
         max_position_embeddings=get("max_position_embeddings", int),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=_attention_bias(arch, raw),
         qk_norm=arch in ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM"),
-        sliding_window=_sliding_window(arch, raw),
+        sliding_window=_sliding_window(arch, raw, num_layers),
         eos_token_ids=_eos_ids(raw, generation_config or {}),
         moe=_moe_config(arch, raw, num_layers) if arch in MOE_ARCHITECTURES else None,
     )
@@ -160,13 +162,36 @@ def _field_getter(raw: dict[str, Any]):
     return get
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
+# transformers' defaults for fields a config.json may leave out (its config classes'), where they
+# differ from the common ones (rms_norm_eps 1e-6, rope_theta 10000): a Mixtral config without them
+# ran with other values than transformers.
+_HF_DEFAULTS = {"MixtralForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 1e6}}
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    """Config features the model code does not implement: refused by name rather than ignored
+    (each one ignored gave output unlike transformers' for the same weights)."""
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"config.hidden_act: {act!r} is not supported (supported: 'silu')")
+    if raw.get("mlp_bias"):
+        raise ConfigError("config.mlp_bias: MLP biases are not supported")
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"config.quantization_config: quantized checkpoints ({method!r}) are not supported; "
+                          f"use a bfloat16, float16 or float32 export")
+
+
+def _rope_theta(raw: dict[str, Any], default: float = 10000.0) -> float:
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ConfigError(f"config.rope_parameters.rope_type: {rope_type!r} is not supported (supported: 'default')")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    # The key the file itself uses, for the message.
+    for where, source, key in (("rope_parameters", params, "rope_type"), ("rope_scaling", scaling, "rope_type"),
+                               ("rope_scaling", scaling, "type")):
+        if source.get(key, "default") != "default":
+            raise ConfigError(f"config.{where}.{key}: {source[key]!r} is not supported (supported: 'default')")
+    theta = params.get("rope_theta", raw.get("rope_theta", default))
     return float(theta)
 
 
@@ -176,11 +201,27 @@ def _attention_bias(arch: str, raw: dict[str, Any]) -> bool:
     return bool(raw.get("attention_bias", False))
 
 
-def _sliding_window(arch: str, raw: dict[str, Any]) -> int | None:
-    if arch.startswith("Qwen") and not raw.get("use_sliding_window", False):
+def _sliding_window(arch: str, raw: dict[str, Any], num_layers: int) -> int | None:
+    """One attention window for every layer, or None. transformers' Llama has none (a
+    ``sliding_window`` key there is ignored), Qwen only with ``use_sliding_window``; a window on
+    some layers only (``layer_types``, or Qwen's ``max_window_layers`` below the layer count) is
+    refused: the model applies one window to all."""
+    if arch == "LlamaForCausalLM" or (arch.startswith("Qwen") and not raw.get("use_sliding_window", False)):
         return None
     window = raw.get("sliding_window")
-    return int(window) if window else None
+    if not window:
+        return None
+    kinds = set(raw.get("layer_types") or [])
+    if len(kinds) > 1:
+        raise ConfigError(f"config.layer_types: a sliding window on some layers only ({sorted(kinds)}) is not "
+                          f"supported")
+    if kinds:
+        return int(window) if kinds == {"sliding_attention"} else None
+    mwl = raw.get("max_window_layers")
+    if arch.startswith("Qwen") and mwl is not None and 0 < int(mwl) < num_layers:
+        raise ConfigError(f"config.max_window_layers: {mwl} windows some of the {num_layers} layers only, which is "
+                          f"not supported")
+    return int(window)
 
 
 def _eos_ids(raw: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:

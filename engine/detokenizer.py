@@ -20,6 +20,7 @@ deltas always concatenate to the final text.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import NamedTuple
 
 import tokenizers
@@ -53,7 +54,7 @@ class SequenceOutputState:
         tokenizer: the model's ``tokenizers.Tokenizer``; None (``skip_tokenizer_init``) keeps only
             token ids: the text stays empty and there are no stop strings to match.
         params: the request's sampling parameters (stop, stop_token_ids, ignore_eos, max_tokens).
-        eos_token_id: the model's end-of-sequence id, or None.
+        eos_token_ids: the model's end-of-sequence ids (any of them ends the sequence; may be empty).
         prompt_token_ids: the prompt; its last few tokens are decoding context only.
 
     Attributes:
@@ -64,11 +65,11 @@ class SequenceOutputState:
             as in vLLM).
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer | None, params: SamplingParams, eos_token_id: int | None,
+    def __init__(self, tokenizer: tokenizers.Tokenizer | None, params: SamplingParams, eos_token_ids: Collection[int],
                  prompt_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.params = params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -119,12 +120,12 @@ class SequenceOutputState:
 
     def _append_one(self, token: int) -> None:
         self.token_ids.append(token)
-        if (token == self.eos_token_id and not self.params.ignore_eos) or token in self._stop_token_ids:
+        eos = token in self.eos_token_ids and not self.params.ignore_eos
+        if eos or token in self._stop_token_ids:
             if self.params.include_stop_str_in_output:  # vLLM keeps a stop token's text then too
                 self._decode_next(token)
             # vLLM convention: EOS leaves stop_reason None; a stop token id is reported.
-            self._finish("stop", None if token == self.eos_token_id and not self.params.ignore_eos
-                         else token)
+            self._finish("stop", None if eos else token)
             return
         searched_from = len(self._decoded)
         self._decode_next(token)

@@ -124,7 +124,7 @@ class LLMEngine:
         request = RequestOutput(request_id, prompt, list(prompt_token_ids), [],
                                 metrics=RequestMetrics(arrival_time_s or time.monotonic()))
         k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        seqs = [Sequence.sample_of(request, i, params, k, self.target.tokenizer, self.target.eos_token_id)
+        seqs = [Sequence.sample_of(request, i, params, k, self.target.tokenizer, self.target.eos_token_ids)
                 for i in range(params.n)]
         self._requests[request_id] = seqs
         for seq in seqs:

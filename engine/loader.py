@@ -13,6 +13,7 @@ from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig, load_model_config, read_config_json
 from engine.errors import CheckpointError, ConfigError
 from engine.model import ExpertExecutor, ExpertStore, LocalExpertExecutor, Transformer
+from engine.model.names import expert_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,8 +78,11 @@ class LoadedModel:
     chat_template: ChatTemplateSource | None  # None with skip_tokenizer_init
 
     @property
-    def eos_token_id(self) -> int | None:
-        return self.config.eos_token_ids[0] if self.config.eos_token_ids else None
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every end-of-sequence id (``generation_config.json`` may list several, e.g. Llama 3's
+        ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``): any of them ends a sequence, as in
+        transformers' ``generate``."""
+        return frozenset(self.config.eos_token_ids)
 
 
 def load_tokenizer(path: Path) -> tuple[Tokenizer, ChatTemplateSource]:
@@ -124,18 +128,33 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
                for i in range(tokenizer.get_vocab_size(with_added_tokens=True)))
 
 
-def check_layer_count(reader: CheckpointReader, config: ModelConfig) -> None:
-    """A checkpoint holding layers past ``config.num_hidden_layers`` does not match its config:
-    loading the first layers only ran a truncated model without a word.
+def check_every_tensor_used(reader: CheckpointReader, config: ModelConfig, experts_elsewhere: bool) -> None:
+    """After loading: a stored tensor the model never read means the config does not describe the
+    checkpoint (more layers than ``num_hidden_layers``, MLP or other biases the architecture lacks),
+    and ignoring it gave output unlike transformers' for the same weights.
+
+    Args:
+        experts_elsewhere: the routed experts are loaded by another executor (expert actors, an
+            offloading store), so their tensors are not expected to be read here.
 
     Raises:
-        ConfigError: naming the field and the first tensor of a layer beyond it.
+        ConfigError: tensors of layers past ``config.num_hidden_layers`` (named with the first one).
+        CheckpointError: any other unread tensor (the first few named).
     """
-    beyond = [name for name in reader.names()
-              if name.startswith("model.layers.") and int(name.split(".")[2]) >= config.num_layers]
+    skipped = set()
+    if experts_elsewhere and config.moe is not None:
+        skipped = {name for layer in config.moe.sparse_layers for e in range(config.moe.num_experts)
+                   for name in expert_names(config, layer, e)}
+    unused = [n for n in reader.unread() if n not in skipped and not n.endswith("rotary_emb.inv_freq")
+              and not (config.tie_word_embeddings and n == "lm_head.weight")]
+    beyond = [n for n in unused if n.startswith("model.layers.") and int(n.split(".")[2]) >= config.num_layers]
     if beyond:
         raise ConfigError(f"config.num_hidden_layers: {config.num_layers}, but the checkpoint has tensors of "
                           f"later layers (e.g. {beyond[0]!r})")
+    if unused:
+        raise CheckpointError(f"{reader.dir}: {len(unused)} tensor(s) the {config.architecture} model does not "
+                              f"use, e.g. {unused[:3]}: the config does not describe this checkpoint (or it has "
+                              f"a feature specmoe lacks)")
 
 
 def load_model(
@@ -165,11 +184,12 @@ def load_model(
     check_device_present(device)
     config = load_model_config(path)
     reader = CheckpointReader(path)
-    check_layer_count(reader, config)
+    experts_elsewhere = experts is not None
     if config.is_moe and experts is None:
         store = ExpertStore(reader, config, dtype=torch_dtype, device=device)
         store.load_all()
         experts = LocalExpertExecutor(store)
     model = Transformer(config, reader, experts, torch_dtype, device, compile)
+    check_every_tensor_used(reader, config, experts_elsewhere)
     tokenizer, template = (None, None) if skip_tokenizer_init else load_tokenizer(path)
     return LoadedModel(path, config, model, tokenizer, reader, template)

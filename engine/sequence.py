@@ -54,7 +54,7 @@ class Sequence:
 
     @classmethod
     def sample_of(cls, request: RequestOutput, index: int, params: SamplingParams, k: int, tokenizer,
-                  eos_token_id: int | None) -> Sequence:
+                  eos_token_ids: frozenset[int]) -> Sequence:
         """Sample ``index`` of ``request`` (``params.n`` in all), its completion appended to the
         request's outputs. A seeded request's samples use ``seed + index`` (vLLM's rule for ``n``
         seeded samples) as their ``race_seed``, others a random generator seed; greedy ones need
@@ -64,7 +64,7 @@ class Sequence:
         # Modulo 2**64: every signed 64-bit seed its own stream (modulo 2**63, -1 was 2**63 - 1's).
         seed = (params.seed + index) % 2**64 if params.seed is not None \
             else int.from_bytes(os.urandom(7), "little")
-        state = SequenceOutputState(tokenizer, params, eos_token_id, request.prompt_token_ids)
+        state = SequenceOutputState(tokenizer, params, eos_token_ids, request.prompt_token_ids)
         gen = None if params.greedy else make_generator(seed)
         race_seed = seed if params.seed is not None and not params.greedy else None
         return cls(f"{request.request_id}-{index}", index, request, params, state, gen, k, completion,

@@ -75,8 +75,53 @@ def test_weights_stored_as_integers_are_refused_naming_the_tensor(ckpt):
     tensors = load_file(ckpt / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is stored as torch\.int32, expected floating-point"):
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is stored as torch\.int32, expected bfloat16"):
         load_model(ckpt)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.float8_e4m3fn)  # an fp8 export's
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is stored as torch\.float8_e4m3fn"):
+        load_model(ckpt)
+
+
+def test_a_tensor_the_model_does_not_read_is_refused_naming_it(ckpt):
+    """Llama's mlp_bias (or any extra weight) was dropped without a word: output unlike transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.mlp.extra.bias"] = torch.zeros(4)
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) the MixtralForCausalLM model does not use, e\.g\. "
+                                              r"\['model\.layers\.0\.mlp\.extra\.bias'\]"):
+        load_model(ckpt)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"hidden_act": "gelu"}, r"config\.hidden_act: 'gelu' is not supported"),
+    ({"mlp_bias": True}, r"config\.mlp_bias: MLP biases are not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}}, r"config\.quantization_config: quantized checkpoints \('fp8'\)"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}, r"config\.layer_types: a sliding window on some"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"config\.rope_scaling\.type: 'dynamic' is not supported"),
+])
+def test_config_features_the_model_lacks_are_refused_not_ignored(ckpt, changes, message):
+    """Each loaded before and computed something else than transformers (a model developer's trial)."""
+    _edit_config(ckpt, **changes)
+    with pytest.raises(ConfigError, match=message):
+        load_model(ckpt)
+
+
+def test_missing_fields_take_transformers_defaults_and_llama_has_no_sliding_window():
+    from engine.config import parse_hf_config
+
+    base = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "intermediate_size": 32, "max_position_embeddings": 64}
+    mixtral = parse_hf_config({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 2,
+                               "num_experts_per_tok": 1})
+    assert (mixtral.rms_norm_eps, mixtral.rope_theta) == (1e-5, 1e6)  # MixtralConfig's, not 1e-6 / 10000
+    llama = parse_hf_config({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 4})
+    assert (llama.rms_norm_eps, llama.rope_theta, llama.sliding_window) == (1e-6, 10000.0, None)
+    qwen = parse_hf_config({**base, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
+                            "sliding_window": 4, "layer_types": ["sliding_attention"]})
+    assert qwen.sliding_window == 4
 
 
 def test_truncated_safetensors(ckpt):

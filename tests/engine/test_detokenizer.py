@@ -36,7 +36,7 @@ def tok() -> Tokenizer:
 
 def make(tok, prompt="", **params) -> SequenceOutputState:
     params.setdefault("max_tokens", 1000)
-    return SequenceOutputState(tok, SamplingParams(**params), EOS, tok.encode(prompt).ids if prompt else [])
+    return SequenceOutputState(tok, SamplingParams(**params), (EOS,), tok.encode(prompt).ids if prompt else [])
 
 
 def feed(state, chunks) -> list[str]:
@@ -228,7 +228,7 @@ def test_ignore_eos_keeps_going_and_eos_adds_no_text(tok):
 def test_prompt_ending_mid_character_does_not_misalign_output(tok):
     ids = tok.encode("😀 hello").ids
     split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
-    state = SequenceOutputState(tok, SamplingParams(max_tokens=100), EOS, ids[:split])
+    state = SequenceOutputState(tok, SamplingParams(max_tokens=100), (EOS,), ids[:split])
     feed(state, [[t] for t in ids[split:]])
     assert state.text == tok.decode(ids[split:])
 
@@ -242,7 +242,7 @@ def test_decoding_window_stays_small(tok):
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     ids = tok.encode(" ".join([MULTIBYTE, ASCII] * 6)).ids
-    state = SequenceOutputState(Counting(), SamplingParams(max_tokens=1000), EOS, ids[:10])
+    state = SequenceOutputState(Counting(), SamplingParams(max_tokens=1000), (EOS,), ids[:10])
     feed(state, [[t] for t in ids])
     assert state.text == tok.decode(ids)
     assert len(ids) > 100 and max(lengths) <= 12
