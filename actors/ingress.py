@@ -246,7 +246,9 @@ class IngressServer:
             with protocol_errors({"prompt": param}):
                 if text is not None:
                     check_prompt_chars(len(text), self.max_chars_per_token, self.max_model_len)
-                ids = encode_text(self.tokenizer, text) if text is not None else list(prompt)
+                special = req.add_special_tokens if req.add_special_tokens is not None \
+                    else isinstance(req, CompletionRequest)
+                ids = encode_text(self.tokenizer, text, special) if text is not None else list(prompt)
                 check_prompt(ids, None, self.vocab_size, self.max_model_len)
                 max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if isinstance(req, CompletionRequest)
                                                 else self.max_model_len - len(ids))

@@ -90,6 +90,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     num_speculative_tokens: int | None = None
     priority: int | None = 0  # vLLM's request field: lower is scheduled earlier (scheduling_policy priority|slo)
     slo_class: str | None = None  # latency budget class of engine.scheduler.slo_classes
+    # vLLM's: the tokenizer's own special tokens (a BOS) around the prompt; None: true for
+    # completions, false for chat, whose template writes its own (true there doubled the BOS).
+    add_special_tokens: bool | None = None
     user: str | None = None  # OpenAI's end-user id: typed so that a non-string is a 400, otherwise unused
     best_of: int | None = None
     tools: list | None = None

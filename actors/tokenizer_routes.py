@@ -33,14 +33,14 @@ from engine.loader import encode_text
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """``POST /tokenize``: a ``prompt`` (vLLM's TokenizeCompletionRequest) or ``messages`` (its
-    TokenizeChatRequest). ``add_special_tokens`` defaults to true for both: the ids this server's
-    completion routes use (vLLM's chat default is false, for templates that write their own BOS)."""
+    TokenizeChatRequest). ``add_special_tokens`` defaults as vLLM's and the completion routes':
+    true for a prompt, false for messages (a chat template writes its own BOS)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool | None = True
-    add_special_tokens: bool | None = True
+    add_special_tokens: bool | None = None
     return_token_strs: bool | None = False
 
     def validate(self) -> None:
@@ -109,7 +109,8 @@ class TokenizerRoutes:
         if req.messages is not None:
             with protocol_errors():
                 text = self.chat_template.render(conversation(req.messages), req.add_generation_prompt is not False)
-        ids = encode_text(self.tokenizer, text, req.add_special_tokens is not False)
+        special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
+        ids = encode_text(self.tokenizer, text, special)
         strs = [token_text(self.tokenizer, t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -103,6 +103,10 @@ class LLM:
             GenerationError: an engine step failed for some of the prompts (finish reason
                 ``"error"``), chained from the step's exception; its ``outputs`` are every output.
         """
+        return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=True)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, add_special_tokens: bool) -> list[RequestOutput]:
+        """:meth:`generate`, text prompts encoded with or without the tokenizer's special tokens."""
         if isinstance(prompts, dict):
             prompts = [prompts]
         if not isinstance(prompts, (str, list, tuple)):  # an array's truth value would be the error
@@ -122,7 +126,7 @@ class LLM:
         requests = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                requests.append(self._add(prompt, p, i if len(prompts) > 1 else None))
+                requests.append(self._add(prompt, p, i if len(prompts) > 1 else None, add_special_tokens))
             self._run(requests, use_tqdm)
         except BaseException:  # bad input, or Ctrl-C mid-run: nothing of this call stays queued or running
             for r in requests:
@@ -171,19 +175,21 @@ class LLM:
                                "conversations", "messages")
         template = ChatTemplate.of(self.engine.target.chat_template, chat_template)
         prompts = [template.render(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # The template writes its own BOS: the tokenizer's would double it (as vLLM, transformers).
+        return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
-    def _add(self, prompt: object, params: SamplingParams, index: int | None = None) -> RequestOutput:
+    def _add(self, prompt: object, params: SamplingParams, index: int | None = None,
+             add_special_tokens: bool = True) -> RequestOutput:
         """Queue one prompt; a RequestError names the prompt's ``index`` in a batch (as the HTTP
         path's ``prompt[i]: ``)."""
         try:
-            return self._add_one(prompt, params)
+            return self._add_one(prompt, params, add_special_tokens)
         except RequestError as e:
             if index is None:
                 raise
             raise RequestError(f"prompt[{index}]: {e}", e.param, e.code) from e
 
-    def _add_one(self, prompt: object, params: SamplingParams) -> RequestOutput:
+    def _add_one(self, prompt: object, params: SamplingParams, add_special_tokens: bool) -> RequestOutput:
         prompt = _unwrap_prompt_dict(prompt)
         text = prompt if isinstance(prompt, str) else None
         if text is None and not is_token_ids(prompt):
@@ -191,7 +197,7 @@ class LLM:
                                f"{prompt!r:.60}", "prompt")
         if self.tokenizer is None:
             check_without_tokenizer(text is not None, params.stop)
-        ids = encode_text(self.tokenizer, prompt) if text is not None else list(prompt)
+        ids = encode_text(self.tokenizer, prompt, add_special_tokens) if text is not None else list(prompt)
         return self.engine.add_request(f"offline-{next(self._ids)}", ids, params, prompt=text)
 
     def _run(self, requests: list[RequestOutput], use_tqdm: bool) -> None:

@@ -129,3 +129,30 @@ def test_a_bad_message_is_named_by_its_index():
         "type": "invalid_request_error", "param": "messages[0].content[1]", "code": None}
     assert role.json()["error"]["param"] == "messages[2].role"
     assert "Invalid enum value 'wizard'" in role.json()["error"]["message"]
+
+
+def test_the_tokenizers_bos_goes_before_a_completion_prompt_but_not_a_rendered_chat():
+    """vLLM's defaults: add_special_tokens true for completions, false for chat (whose template
+    writes its own BOS; a model developer's Llama-3-like template got two). The request field
+    overrides either; /tokenize follows the same defaults."""
+    from tokenizers.processors import TemplateProcessing
+
+    verifier = FakeVerifier()
+    server, app = _server(verifier)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.post("/tokenize")(server.tokenizer_routes.tokenize)
+    bos = 0  # the bundled tokenizer's only special token; its post-processor now adds it, as Llama 3's does
+    server.tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    verifier.streams = [FakeStream([{"type": "accepted"}, _step("a", finish="length")]) for _ in range(4)]
+    one = {"model": MODEL_NAME, "max_tokens": 2}
+    responses = _post(app, ("/v1/completions", {**one, "prompt": "def f():"}),
+                      ("/v1/chat/completions", {**one, "messages": MESSAGES}),
+                      ("/v1/completions", {**one, "prompt": "def f():", "add_special_tokens": False}),
+                      ("/v1/chat/completions", {**one, "messages": MESSAGES, "add_special_tokens": True}),
+                      ("/tokenize", {"model": MODEL_NAME, "prompt": "def f():"}),
+                      ("/tokenize", {"model": MODEL_NAME, "messages": MESSAGES}))
+    assert [r.status_code for r in responses] == [200] * 6
+    completion, chat, bare, chat_bos = (ids for ids, *_ in verifier.calls)
+    assert completion[0] == bos and bare == completion[1:]
+    assert chat[0] != bos and chat_bos == [bos] + chat
+    assert responses[4].json()["tokens"] == completion and responses[5].json()["tokens"] == chat

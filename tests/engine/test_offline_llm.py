@@ -84,3 +84,17 @@ def test_dtype_auto_is_the_checkpoints_own(tmp_path):
     assert args.dtype == "float32"  # not one we run: float32
     with pytest.raises(ConfigError, match="dtype: 'float64' is not one of"):
         EngineArgs(model=TARGET, dtype="float64")
+
+
+def test_llm_chat_leaves_the_bos_to_the_template_as_the_server_does():
+    """A tokenizer whose post-processor adds a BOS (Llama 3's) put one before the rendered chat
+    too, on top of the template's own; completions keep it (vLLM's and transformers' rules)."""
+    from tokenizers.processors import TemplateProcessing
+
+    llm = LLM(TARGET)
+    llm.tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    chat = llm.chat([{"role": "user", "content": "Sort a list."}], params, chat_template="<|endoftext|>{{ messages[0].content }}")
+    assert chat[0].prompt_token_ids == [0] + llm.tokenizer.encode("Sort a list.", add_special_tokens=False).ids
+    completion = llm.generate("Sort a list.", params)
+    assert completion[0].prompt_token_ids == chat[0].prompt_token_ids
