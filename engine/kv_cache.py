@@ -8,10 +8,11 @@ overwritten by the next write (see ``engine.model.layers.attention``'s causal ma
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
-from engine.errors import SpecmoeError
+from engine.errors import ConfigError, SpecmoeError
 
 
 class KVCacheFull(SpecmoeError):
@@ -37,8 +38,15 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as e:  # torch's allocator error names neither setting
+            size_gib = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2**30
+            raise ConfigError(f"max_model_len / max_num_seqs: the KV cache for {max_seqs} sequences of {max_len} "
+                              f"tokens needs {size_gib:.1f} GiB on {device} and could not be allocated ({e}); "
+                              f"lower max_model_len (default: the model's max_position_embeddings) or "
+                              f"max_num_seqs") from e
         self.max_seqs = max_seqs
         self.max_len = max_len
         self.lengths = [0] * max_seqs

@@ -58,6 +58,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(2)
     target = load_model(args.target, "float32")
     rows = [json.loads(line) for line in open(args.prompts)][: args.num_prompts]
+    window = target.config.max_position_embeddings
+    if args.max_prompt_tokens + args.max_tokens > window:
+        raise SystemExit(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens} exceed this "
+                         f"target's context window ({window} tokens): lower them")
     prompts = [target.tokenizer.encode(r["prompt"]).ids[-args.max_prompt_tokens:] for r in rows]
     plain, _, plain_s = run(target, NoneDrafter(), 0, prompts, args.max_tokens)
     drafters = {"draft_model": EngineArgs(model=args.target, draft_model=args.draft),

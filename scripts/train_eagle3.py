@@ -131,6 +131,9 @@ def main(argv=None) -> None:
     layer_ids = tuple(int(i) for i in args.layer_ids.split(","))
     target = load_model(args.target, "float32")
     c = target.config
+    if len(layer_ids) != 3 or not all(0 <= i <= c.num_layers for i in layer_ids):  # the rule the head's loader checks
+        raise SystemExit(f"--layer-ids: need three layer ids in [0, {c.num_layers}] of this target "
+                         f"({c.num_layers}: the last layer's output), got {args.layer_ids}")
     stream = train_stream(target.tokenizer)
     draft_ids = draft_vocabulary(args.draft_vocab)
     head = TrainableEagle3(c.hidden_size, args.intermediate, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,

@@ -392,3 +392,16 @@ def test_offline_refusals_name_the_prompt_and_say_what_would_work(tmp_path):
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
     with pytest.raises(CheckpointError, match="is a file; pass its directory"):
         load_model(f"{TARGET}/config.json")
+
+
+def test_a_kv_cache_too_large_to_allocate_names_the_settings_that_size_it(monkeypatch):
+    """A model with 4M positions and no max_model_len failed with torch's bare allocator error."""
+    from engine.kv_cache import KVCache
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 25769803776 bytes")
+
+    monkeypatch.setattr(torch, "zeros", no_memory)
+    with pytest.raises(ConfigError, match=r"^max_model_len / max_num_seqs: the KV cache for 16 sequences of 4194304 "
+                                          r"tokens needs 24\.0 GiB on cpu .*lower max_model_len"):
+        KVCache(num_layers=3, max_seqs=16, max_len=4194304, num_kv_heads=2, head_dim=8)
