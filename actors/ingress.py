@@ -45,7 +45,7 @@ from actors.responses import ResponseBuilder, sse
 from actors.telemetry import RequestTelemetry
 from actors.tokenizer_routes import TokenizerRoutes
 from engine.chat_template import ChatTemplate
-from engine.loader import encode_text, max_chars_per_token
+from engine.loader import encode_text, max_chars_per_token, special_tokens_for
 from engine.request_ranges import check_prompt, check_prompt_chars, check_without_tokenizer
 from engine.sampling_params import SamplingParams
 from observability import CONTENT_TYPE, RequestMetrics, render, setup_tracing
@@ -246,8 +246,7 @@ class IngressServer:
             with protocol_errors({"prompt": param}):
                 if text is not None:
                     check_prompt_chars(len(text), self.max_chars_per_token, self.max_model_len)
-                special = req.add_special_tokens if req.add_special_tokens is not None \
-                    else isinstance(req, CompletionRequest)
+                special = special_tokens_for(isinstance(req, ChatCompletionRequest), req.add_special_tokens)
                 ids = encode_text(self.tokenizer, text, special) if text is not None else list(prompt)
                 check_prompt(ids, None, self.vocab_size, self.max_model_len)
                 max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if isinstance(req, CompletionRequest)

@@ -28,7 +28,7 @@ from actors.openai_protocol import (
 )
 from actors.responses import token_text
 from engine.chat_template import ChatTemplate
-from engine.loader import encode_text
+from engine.loader import encode_text, special_tokens_for
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -109,8 +109,7 @@ class TokenizerRoutes:
         if req.messages is not None:
             with protocol_errors():
                 text = self.chat_template.render(conversation(req.messages), req.add_generation_prompt is not False)
-        special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
-        ids = encode_text(self.tokenizer, text, special)
+        ids = encode_text(self.tokenizer, text, special_tokens_for(req.messages is not None, req.add_special_tokens))
         strs = [token_text(self.tokenizer, t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -230,8 +230,9 @@ def _median_by_label(runs: list[dict[str, float]]) -> dict[str, float]:
     """Per label, the median over repeats of CPU ms per output token (0 where a repeat lacks it)."""
     labels = dict.fromkeys(label for run in runs for label in run)
     medians = {label: statistics.median(run.get(label, 0.0) for run in runs) for label in labels}
-    last = ("other", "total", "wall x cores")  # after the processes, largest first
-    return dict(sorted(medians.items(), key=lambda kv: (kv[0] in last, last.index(kv[0]) if kv[0] in last else -kv[1])))
+    tail = ("other", "total", "wall x cores")
+    processes = sorted((kv for kv in medians.items() if kv[0] not in tail), key=lambda kv: -kv[1])
+    return dict(processes + [(label, medians[label]) for label in tail if label in medians])
 
 
 def print_cpu(rows: list[dict]) -> None:

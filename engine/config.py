@@ -234,9 +234,10 @@ def _eos_ids(raw: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
 def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
     get = _field_getter(raw)
     if arch == "MixtralForCausalLM":
+        num_experts = get("num_local_experts", int)
         return MoEConfig(
-            num_experts=get("num_local_experts", int),
-            top_k=_top_k(get, "num_local_experts"),
+            num_experts=num_experts,
+            top_k=_top_k(get, "num_local_experts", num_experts),
             intermediate_size=get("intermediate_size", int),
             renormalize=True,
             sparse_layers=tuple(range(num_layers)),
@@ -250,7 +251,7 @@ def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
     shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
     return MoEConfig(
         num_experts=num_experts,
-        top_k=_top_k(get, experts_field) if num_experts > 0 else get("num_experts_per_tok", int),
+        top_k=_top_k(get, experts_field, num_experts),
         intermediate_size=get("moe_intermediate_size", int),
         renormalize=bool(raw.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=shared,
@@ -258,11 +259,11 @@ def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
     )
 
 
-def _top_k(get, experts_field: str) -> int:
-    """``num_experts_per_tok``, checked against the expert count (a top-k beyond it failed every
-    forward at run time instead of the load)."""
-    top_k, num_experts = get("num_experts_per_tok", int), get(experts_field, int)
-    if not 1 <= top_k <= num_experts:
+def _top_k(get, experts_field: str, num_experts: int) -> int:
+    """``num_experts_per_tok``, checked against the expert count where there are experts (a top-k
+    beyond it failed every forward at run time instead of the load)."""
+    top_k = get("num_experts_per_tok", int)
+    if num_experts > 0 and not 1 <= top_k <= num_experts:
         raise ConfigError(f"config.num_experts_per_tok: must be in [1, config.{experts_field} = {num_experts}], "
                           f"got {top_k}")
     return top_k

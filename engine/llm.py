@@ -14,7 +14,7 @@ from engine.chat_template import ChatTemplate
 from engine.config import context_window
 from engine.engine import LLMEngine
 from engine.errors import GenerationError
-from engine.loader import encode_text, load_model
+from engine.loader import encode_text, load_model, special_tokens_for
 from engine.outputs import RequestOutput
 from engine.request_ranges import RequestError, check_without_tokenizer, is_token_ids
 from engine.sampling_params import SamplingParams
@@ -103,7 +103,7 @@ class LLM:
             GenerationError: an engine step failed for some of the prompts (finish reason
                 ``"error"``), chained from the step's exception; its ``outputs`` are every output.
         """
-        return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=True)
+        return self._generate(prompts, sampling_params, use_tqdm, special_tokens_for(chat=False))
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool, add_special_tokens: bool) -> list[RequestOutput]:
         """:meth:`generate`, text prompts encoded with or without the tokenizer's special tokens."""
@@ -175,8 +175,7 @@ class LLM:
                                "conversations", "messages")
         template = ChatTemplate.of(self.engine.target.chat_template, chat_template)
         prompts = [template.render(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
-        # The template writes its own BOS: the tokenizer's would double it (as vLLM, transformers).
-        return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+        return self._generate(prompts, sampling_params, use_tqdm, special_tokens_for(chat=True))
 
     def _add(self, prompt: object, params: SamplingParams, index: int | None = None,
              add_special_tokens: bool = True) -> RequestOutput:

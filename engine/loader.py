@@ -108,6 +108,13 @@ def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True
     return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
+def special_tokens_for(chat: bool, requested: bool | None = None) -> bool:
+    """Whether a prompt gets the tokenizer's special tokens (a BOS), vLLM's ``add_special_tokens``:
+    as ``requested``, else yes for a completion's prompt and no for a rendered chat, whose template
+    writes its own (both gave Llama-3-like templates two BOS tokens)."""
+    return requested if requested is not None else not chat
+
+
 def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
     """The most characters one token can stand for, or None where no such bound holds.
 
@@ -147,7 +154,7 @@ def check_every_tensor_used(reader: CheckpointReader, config: ModelConfig, exper
                    for name in expert_names(config, layer, e)}
     unused = [n for n in reader.unread() if n not in skipped and not n.endswith("rotary_emb.inv_freq")
               and not (config.tie_word_embeddings and n == "lm_head.weight")]
-    beyond = [n for n in unused if n.startswith("model.layers.") and int(n.split(".")[2]) >= config.num_layers]
+    beyond = [n for n in unused if _layer_index(n) >= config.num_layers]
     if beyond:
         raise ConfigError(f"config.num_hidden_layers: {config.num_layers}, but the checkpoint has tensors of "
                           f"later layers (e.g. {beyond[0]!r})")
@@ -155,6 +162,12 @@ def check_every_tensor_used(reader: CheckpointReader, config: ModelConfig, exper
         raise CheckpointError(f"{reader.dir}: {len(unused)} tensor(s) the {config.architecture} model does not "
                               f"use, e.g. {unused[:3]}: the config does not describe this checkpoint (or it has "
                               f"a feature specmoe lacks)")
+
+
+def _layer_index(name: str) -> int:
+    """``i`` of a ``model.layers.{i}.`` tensor name, -1 for any other name."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
 
 
 def load_model(

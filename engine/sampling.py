@@ -187,9 +187,9 @@ def race_noise(keys: list[tuple[int, int]], vocab: int, device: torch.device | s
     The draws are counter-based, made on ``device`` in one pass for every row: token ``t`` of a
     row hashes ``t`` and the row's key (:func:`_position_seed`) with MurmurHash3's 32-bit
     finaliser into 24 uniform bits ``u``, and the draw is ``-log((u + 0.5) / 2**24)``
-    (:func:`exp1_from_bits`: in ``[6e-8, 17.3]``, never 0, so ``p / noise`` is finite). A seeded CPU generator per row (the
-    previous form) took ~75 us a row at vocab 4096 and a host-to-device copy; this takes ~130 us
-    for 7 rows.
+    (:func:`exp1_from_bits`: in ``[6e-8, 17.3]``, never 0, so ``p / noise`` is finite). A seeded
+    CPU generator per row (the previous form) took ~75 us a row at vocab 4096 and a host-to-device
+    copy; this takes ~130 us for 7 rows.
     """
     row_keys = torch.tensor([_int32(_position_seed(seed, position)) for seed, position in keys],
                             dtype=torch.int32, device=device)

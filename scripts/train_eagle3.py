@@ -34,8 +34,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from engine.errors import ConfigError  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.model import ForwardBatch  # noqa: E402
+from engine.model.eagle3 import check_feature_layers  # noqa: E402
 from scripts.eagle3_training import TrainableEagle3  # noqa: E402
 from scripts.stdlib_corpus import list_source_files  # noqa: E402
 from scripts.tiny_models import EOS_ID  # noqa: E402
@@ -131,9 +133,10 @@ def main(argv=None) -> None:
     layer_ids = tuple(int(i) for i in args.layer_ids.split(","))
     target = load_model(args.target, "float32")
     c = target.config
-    if len(layer_ids) != 3 or not all(0 <= i <= c.num_layers for i in layer_ids):  # the rule the head's loader checks
-        raise SystemExit(f"--layer-ids: need three layer ids in [0, {c.num_layers}] of this target "
-                         f"({c.num_layers}: the last layer's output), got {args.layer_ids}")
+    try:  # the head's loader would refuse them later; a bad id failed the first target pass
+        check_feature_layers(layer_ids, c.num_layers, "--layer-ids")
+    except ConfigError as e:
+        raise SystemExit(str(e)) from e
     stream = train_stream(target.tokenizer)
     draft_ids = draft_vocabulary(args.draft_vocab)
     head = TrainableEagle3(c.hidden_size, args.intermediate, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,

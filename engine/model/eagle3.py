@@ -93,6 +93,17 @@ def load_eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
     return cfg
 
 
+def check_feature_layers(layer_ids: tuple[int, ...], num_layers: int, field: str) -> None:
+    """The target layers whose input an EAGLE-3 head reads: three ids in ``[0, num_layers]``
+    (``num_layers``: the last layer's output).
+
+    Raises:
+        ConfigError: otherwise, the message starting with ``field``.
+    """
+    if len(layer_ids) != 3 or not all(0 <= i <= num_layers for i in layer_ids):
+        raise ConfigError(f"{field}: need three layer ids in [0, {num_layers}] of the target, got {list(layer_ids)}")
+
+
 def _check_fits(file: Path, cfg: Eagle3Config, target: ModelConfig) -> None:
     if cfg.vocab_size != target.vocab_size:
         raise ConfigError(f"{file}: config.vocab_size: {cfg.vocab_size} differs from the target's "
@@ -100,9 +111,7 @@ def _check_fits(file: Path, cfg: Eagle3Config, target: ModelConfig) -> None:
     if cfg.target_hidden_size != target.hidden_size:
         raise ConfigError(f"{file}: config.target_hidden_size (or hidden_size): the head reads "
                           f"{cfg.target_hidden_size}-wide target features, the target's hidden size is {target.hidden_size}")
-    if len(cfg.layer_ids) != 3 or not all(0 <= i <= target.num_layers for i in cfg.layer_ids):
-        raise ConfigError(f"{file}: config.eagle_config.eagle_aux_hidden_state_layer_ids: need three layer ids "
-                          f"in [0, {target.num_layers}] of the target, got {list(cfg.layer_ids)}")
+    check_feature_layers(cfg.layer_ids, target.num_layers, f"{file}: config.eagle_config.eagle_aux_hidden_state_layer_ids")
     if not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
         raise ConfigError(f"{file}: config.draft_vocab_size: must be in [1, {cfg.vocab_size}], got {cfg.draft_vocab_size}")
 
