@@ -68,24 +68,35 @@ def expert_ffn_reference(
     """
     counts = expert_counts.tolist()
     check_ffn_args(hidden, expert_counts, w_gate, w_up, w_down, routing_weights, host_counts=counts)
-    if _grouped(hidden, counts, w_gate, w_up, w_down):
-        # Three grouped GEMMs over all experts; each group is exactly F.linear of its rows.
-        ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
-        gate, up = (F.grouped_mm(hidden, w.mT, offs=ends) for w in (w_gate, w_up))
-        out = F.grouped_mm(F.silu(gate) * up, w_down.mT, offs=ends)
-    else:
-        outs, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                outs.append(swiglu(hidden[start : start + count], w_gate[e], w_up[e], w_down[e]))
-                start += count
-        out = torch.cat(outs) if len(outs) > 1 else outs[0] if outs else torch.empty_like(hidden)
+    ffn = grouped_swiglu if _grouped(hidden, counts, w_gate, w_up, w_down) else looped_swiglu
+    out = ffn(hidden, counts, w_gate, w_up, w_down)
     if routing_weights is not None:
         # Scale in the activation dtype after casting, as the HF reference does (elementwise, so
         # the same values as scaling each expert's rows on its own).
         weights = routing_weights if routing_weights.dtype == out.dtype else routing_weights.to(out.dtype)
         out = out * weights[:, None]
     return out
+
+
+def grouped_swiglu(hidden: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """Every expert's SwiGLU of its rows as three ``F.grouped_mm`` calls (arguments as
+    :func:`expert_ffn_reference`'s, ``counts`` on the host); each group is exactly ``F.linear``
+    of its rows, and the one ``F.silu`` is bit-identical per group where :func:`_grouped` allows it."""
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+    gate, up = (F.grouped_mm(hidden, w.mT, offs=ends) for w in (w_gate, w_up))
+    return F.grouped_mm(F.silu(gate) * up, w_down.mT, offs=ends)
+
+
+def looped_swiglu(hidden: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                  w_down: torch.Tensor) -> torch.Tensor:
+    """Each used expert's :func:`swiglu` of its rows in turn (arguments as :func:`grouped_swiglu`'s)."""
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            outs.append(swiglu(hidden[start : start + count], w_gate[e], w_up[e], w_down[e]))
+            start += count
+    return torch.cat(outs) if len(outs) > 1 else outs[0] if outs else torch.empty_like(hidden)
 
 
 # ATen's vectorised elementwise loop runs a contiguous tensor in blocks of two SIMD vectors (32
@@ -96,18 +107,31 @@ def expert_ffn_reference(
 # of 40: grouped and per-expert results differed in the last bits.
 _SILU_BLOCK = 64
 
+# CPU ``grouped_mm`` computes each GEMM over every group's rows at once: gate and up activations
+# of ``rows x intermediate`` each, where the per-expert loop's working set is one group's. With the
+# bundled 256-wide experts in float32 (AMD EPYC VM, 512 KiB L2 a core; benchmarks/expert_ffn_cpu.py)
+# the grouped GEMMs won by 9-27 % a call up to 384 rows and lost by up to 1.8x at 640-1800 rows,
+# with an erratic cliff between (512 rows: 0.97-1.6x). Bounded here, a whole prefill of 512 / 900
+# tokens (1024 / 1800 rows a layer) ran 1.24-1.29x / 1.08-1.12x as fast with one torch thread (an
+# expert actor's), 0.99-1.25x / 1.08-1.21x with two; shorter ones alike within 3 %.
+_GROUPED_MAX_ACTIVATION_BYTES = 512 * 1024
+
 
 def _grouped(hidden: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> bool:
     """Whether the experts run as ``F.grouped_mm`` calls (the same bits as one SwiGLU per expert).
 
     On a small model every op is mostly dispatch cost, so three grouped GEMMs beat three GEMMs and
     two elementwise ops per used expert; but CPU ``grouped_mm`` runs one GEMM per group, empty ones
-    included, so only when at least half the experts are used. CPU only (``grouped_mm`` on GPUs is
-    for bf16 on recent ones, and CUDA takes the Triton kernel), for operands it takes, and for an
-    intermediate size that keeps the one ``F.silu`` over all groups bit-identical (``_SILU_BLOCK``).
+    included, so only when at least half the experts are used, and only while one activation fits
+    ``_GROUPED_MAX_ACTIVATION_BYTES`` (a long prefill's rows run faster expert by expert). CPU only
+    (``grouped_mm`` on GPUs is for bf16 on recent ones, and CUDA takes the Triton kernel), for
+    operands it takes, and for an intermediate size that keeps the one ``F.silu`` over all groups
+    bit-identical (``_SILU_BLOCK``).
     """
     used = sum(1 for c in counts if c)
+    activation_bytes = hidden.shape[0] * weights[0].shape[-2] * hidden.element_size()
     return (hidden.device.type == "cpu" and 2 * used >= len(counts)
+            and activation_bytes <= _GROUPED_MAX_ACTIVATION_BYTES
             and weights[0].shape[-2] % _SILU_BLOCK == 0
             and _grouped_mm_layout_ok(hidden, *(w.mT for w in weights)))
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.expert_ffn import _grouped, expert_ffn_reference, linear_layout, swiglu
+from kernels.expert_ffn import (
+    _GROUPED_MAX_ACTIVATION_BYTES,
+    _grouped,
+    expert_ffn_reference,
+    linear_layout,
+    swiglu,
+)
 
 
 def test_linear_layout_is_column_major_with_the_same_values():
@@ -70,3 +76,22 @@ def test_reference_without_grouped_mm_strides_gives_the_same_bits():
     got = expert_ffn_reference(strided, torch.tensor(counts), wg, wu, wd)
     assert torch.equal(got, expert_ffn_reference(packed, torch.tensor(counts), wg, wu, wd))
     assert torch.equal(got[2:5], swiglu(packed[2:5], wg[2], wu[2], wd[2]))
+
+
+def test_reference_runs_a_long_prefill_expert_by_expert_with_the_same_bits():
+    # Past _GROUPED_MAX_ACTIVATION_BYTES of one activation the grouped GEMMs lose to the loop; the
+    # bound is by bytes, so it moves with the intermediate size and the dtype.
+    g = torch.Generator().manual_seed(7)
+    inter, hidden = 64, 16
+    wg, wu = (linear_layout(torch.randn(4, inter, hidden, generator=g)) for _ in range(2))
+    wd = linear_layout(torch.randn(4, hidden, inter, generator=g))
+    limit_rows = _GROUPED_MAX_ACTIVATION_BYTES // (inter * 4)
+    for rows, grouped in ((limit_rows, True), (limit_rows + 1, False)):
+        counts = [rows - 3 * (rows // 4)] + [rows // 4] * 3
+        x = torch.randn(rows, hidden, generator=g)
+        assert _grouped(x, counts, wg, wu, wd) is grouped
+        assert _grouped(x.to(torch.float16), counts, wg, wu, wd) is True  # half the bytes a row
+        got = expert_ffn_reference(x, torch.tensor(counts), wg, wu, wd)
+        ends = [0, *torch.tensor(counts).cumsum(0).tolist()]
+        want = torch.cat([swiglu(x[a:b], wg[e], wu[e], wd[e]) for e, (a, b) in enumerate(zip(ends, ends[1:]))])
+        assert torch.equal(got, want)
