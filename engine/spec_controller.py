@@ -94,9 +94,9 @@ class SpeculationController:
         self.activation = activation or ExpertActivation(0, 0, 1)
         # [1, passes, drafted tokens, catch-up tokens]: a sequence that has not drafted for a while
         # (or ever: its prompt) costs the drafter a prefill of what it missed, a real cost of k > 0.
-        self.draft_cost = OnlineLinearCost(4, forgetting=0.95)
+        self.draft_cost = OnlineLinearCost(4, forgetting=0.95, fixed_cost=True)
         # [1, target tokens, distinct experts, prefill attention pairs (thousands)]
-        self.target_cost = OnlineLinearCost(4)
+        self.target_cost = OnlineLinearCost(4, fixed_cost=True)
         s = self.settings
         self.estimates = AcceptanceEstimates(max_k, s.acceptance_prior, s.prior_weight, s.global_decay,
                                              s.sequence_decay)

@@ -77,14 +77,22 @@ class OnlineLinearCost:
         relative_floor: the residual scale is at least this fraction of the prediction.
         resolve_every: observations after which the fit is solved again even if nothing predicted
             (predictions solve whatever is pending first).
+        fixed_cost: feature 0 is a constant 1 (the step's fixed cost) and is left out of the
+            ridge. Where the data cannot tell it from a marginal cost (every recent step of one
+            shape: plain decoding at batch 1 has 1 token and 8 experts every step), a ridge on
+            every feature split the time evenly between them, so a step of another shape was
+            priced off a made-up slope; unregularised, the fixed cost takes it, and an untried
+            shape is priced like the tried one until steps of its own show its slope (optimism
+            that the controller's explore steps then test).
     """
 
     def __init__(self, num_features: int, forgetting: float = 0.97, ridge: float = 1e-3, huber: float = 2.0,
-                 warmup: int = 8, relative_floor: float = 0.05, resolve_every: int = 8) -> None:
+                 warmup: int = 8, relative_floor: float = 0.05, resolve_every: int = 8,
+                 fixed_cost: bool = False) -> None:
         self.xtx = [[0.0] * num_features for _ in range(num_features)]  # weighted Gram matrix
         self.xty = [0.0] * num_features
         self.forgetting, self.ridge, self.huber, self.warmup = forgetting, ridge, huber, warmup
-        self.relative_floor, self.resolve_every = relative_floor, resolve_every
+        self.relative_floor, self.resolve_every, self.fixed_cost = relative_floor, resolve_every, fixed_cost
         self.num_observations = 0
         self._coef = [0.0] * num_features  # the fitted coefficients (``theta`` as an array)
         self._pending = 0  # observations since the last solve
@@ -132,6 +140,8 @@ class OnlineLinearCost:
         # Ridge per feature, scaled by that feature's own energy: units-free, and a feature never
         # seen (all zeros so far) gets a zero coefficient instead of a singular system.
         reg = [self.ridge * self.xtx[i][i] + 1e-12 for i in range(n)]
+        if self.fixed_cost:
+            reg[0] = 1e-12
         theta = self._solve_subset(list(range(n)), reg)
         # A negative marginal cost is an artefact of collinear features: drop it and refit the rest.
         for _ in range(n):

@@ -319,3 +319,26 @@ def test_an_optimised_plan_is_reused_for_the_same_batch_until_something_changes(
     ctl.plan(caps, 4)
     assert not replans(caps, 4, tpot={"s0": (0.02, 0.001)})
     assert replans(caps, 4, tpot={"s0": (0.02, -0.001)})  # s0 fell behind its budget
+
+
+def test_a_fit_on_steps_of_one_shape_prices_longer_drafts_without_a_made_up_slope():
+    """Batch 1 kept off (the Ray path at concurrency 1): the cost model sees plain steps that are
+    all alike (1 token, 8 experts) and the odd explore at k = 1. A draft call costs a fixed 2 ms
+    (the hop) plus 0.5 ms a pass, a verify 4 ms plus 0.1 ms an expert, acceptance 0.75: k = 5 is
+    best (296 tok/s), k = 1 worst (221; plain 208). A ridge on every feature split each step's
+    time between the fixed cost and the collinear slopes, priced a k = 6 step at ~2.4x its cost
+    and kept every explore at k = 1; the fixed cost free of the ridge extrapolates flat, and the
+    model picks a long draft."""
+    sim = SyntheticStep(d0=0.002, d_pass=0.0005, c0=0.004, c_exp=0.0001, experts=(8, 4, 2))
+    ctl = controller(experts=(8, 4, 2))
+    rng = np.random.default_rng(4)
+    for step in range(96):
+        k = 1 if step % 8 == 7 else 0
+        distinct = sim.distinct(1 + k)
+        ctl.observe_step(sim.d[0] + sim.d[1] * k if k else 0.0, k, k, sim.c[0] + sim.c[2] * distinct, 1 + k,
+                         distinct)
+        accepted = int(np.argmin(np.append(rng.random(8) < 0.75, False)))  # the acceptance estimates'
+        ctl.observe_acceptances([("s", 8, accepted)])
+    six = 0.002 + 0.0005 * 6 + 0.004 + 0.0001 * sim.distinct(7)
+    assert ctl.predict_step_s(7, passes=6, num_drafted=6) == pytest.approx(six, rel=0.35)
+    assert adaptive_plan(ctl, {"s": 8}).k["s"] >= 3
