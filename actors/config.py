@@ -339,6 +339,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         request_timeout_s: a request still running this long after it arrived is cancelled (its KV
             slots freed): a 504 in OpenAI's error shape, or an error chunk and ``[DONE]`` when its
             stream has already started.
+        body_timeout_s: a request body not all received this long after the ingress started
+            reading it is refused with a 408 (a slow or stalled client would otherwise hold one of
+            the ingress's ``max_ongoing_requests`` slots for as long as it keeps its connection).
         verifier_start_timeout_s: longest engine build (weights, draft actor) of a verifier replica.
         engine_step_timeout_s: a step running longer than this fails the replica's health check
             (Serve then replaces the replica).
@@ -377,6 +380,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ingress: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     request_timeout_s: float = 600.0
+    body_timeout_s: float = 10.0
     verifier_start_timeout_s: float = 300.0
     engine_step_timeout_s: float = 60.0
     stream_batching_interval_ms: float = 0.0
@@ -386,6 +390,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         _require(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)
+        _require(0 < self.body_timeout_s < math.inf, "body_timeout_s", "> 0 and finite", self.body_timeout_s)
         _require(self.verifier_start_timeout_s > 0, "verifier_start_timeout_s", "> 0", self.verifier_start_timeout_s)
         _require(self.engine_step_timeout_s > 0, "engine_step_timeout_s", "> 0", self.engine_step_timeout_s)
         interval_ms = self.stream_batching_interval_ms

@@ -12,7 +12,7 @@ from actors.openai_protocol import ProtocolError
 from actors.responses import error_body
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing or tokenizing
-ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
                503: "server_overloaded", 504: "timeout", 500: "internal_error"}
 RETRY_AFTER_S = {503: 1}  # Retry-After of a full queue or a shutting-down replica
 UNAVAILABLE_RETRY_AFTER_S = 5  # while the verifier is gone: about a replica restart
@@ -75,16 +75,29 @@ def failure(e: BaseException, timeout_s: float) -> RequestFailed:
     return RequestFailed(500, f"internal error: {type(e).__name__}")
 
 
-async def read_body(request: Request) -> bytes:
+async def read_body(request: Request, timeout_s: float) -> bytes:
     """The request body, refused (413) once it is known to exceed :data:`MAX_BODY_BYTES`: from
-    its ``Content-Length`` before reading, else while it streams in (nothing larger is kept)."""
+    its ``Content-Length`` before reading, else while it streams in (nothing larger is kept); and
+    refused (408) when it has not all arrived within ``timeout_s`` seconds. Without the deadline
+    a client that sent headers and part of a body held one of the ingress's in-flight slots for as
+    long as it kept the connection open, and 260 such connections stopped the server (``/health``
+    included) until they closed (a slowloris trial, 2026-12-06).
+
+    Raises:
+        ProtocolError: 413 or 408 as above.
+    """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ProtocolError(f"request body of {declared} bytes exceeds {MAX_BODY_BYTES} bytes", status=413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ProtocolError(f"request body of more than {MAX_BODY_BYTES} bytes", status=413)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise ProtocolError(f"request body of more than {MAX_BODY_BYTES} bytes", status=413)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ProtocolError(f"the request body did not arrive within body_timeout_s = {timeout_s:g} s "
+                            f"({size} bytes came)", status=408) from None
     return b"".join(chunks)

@@ -107,7 +107,7 @@ class IngressServer:
         self.max_chars_per_token = None if self.tokenizer is None else max_chars_per_token(self.tokenizer)
         # POST /tokenize and /detokenize (vLLM's), with the same tokenizer and template
         self.tokenizer_routes = TokenizerRoutes(self.model_name, self.tokenizer, self.chat_template,
-                                                self.max_model_len, self.vocab_size)
+                                                self.max_model_len, self.vocab_size, self.config.body_timeout_s)
         self._ids = itertools.count()
         setup_tracing("ingress", config.tracing)
         # The engine's running/waiting gauges are the ones served (include_state_gauges=False).
@@ -268,7 +268,7 @@ class IngressServer:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
-            body = await read_body(request)
+            body = await read_body(request, self.config.body_timeout_s)
             # Tokenizing a long prompt is CPU work: off the event loop, so other requests keep flowing.
             req, prompts = await asyncio.to_thread(self._prepare, body, kind)
         except ProtocolError as e:

@@ -72,15 +72,17 @@ class TokenizerRoutes:
         chat_template: the template ``/v1/chat/completions`` renders conversations with.
         max_model_len: the context window, reported by ``/tokenize``.
         vocab_size: ``/detokenize`` refuses ids outside ``[0, vocab_size)``.
+        body_timeout_s: a body not all received in this many seconds is a 408
+            (:func:`actors.http_errors.read_body`).
 
     A prompt longer than the context window is tokenized all the same (``/tokenize`` is how a
     client measures one); the body limit bounds it.
     """
 
     def __init__(self, model_name: str, tokenizer, chat_template: ChatTemplate, max_model_len: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, body_timeout_s: float) -> None:
         self.model_name, self.tokenizer, self.chat_template = model_name, tokenizer, chat_template
-        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.max_model_len, self.vocab_size, self.body_timeout_s = max_model_len, vocab_size, body_timeout_s
 
     async def tokenize(self, request: Request) -> Response:
         return await self._answer(request, TokenizeRequest, self._tokenize)
@@ -91,7 +93,7 @@ class TokenizerRoutes:
     async def _answer(self, request: Request, schema: type, handle: Callable) -> Response:
         """Read, decode and answer (tokenizing off the event loop); ProtocolErrors as OpenAI errors."""
         try:
-            req = decode_request(await read_body(request), schema)
+            req = decode_request(await read_body(request, self.body_timeout_s), schema)
             if req.model is not None and req.model != self.model_name:
                 raise unknown_model(req.model, self.model_name)
             if self.tokenizer is None:

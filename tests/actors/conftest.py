@@ -68,6 +68,7 @@ def test_config(tracing_endpoint: str | None = None, **engine) -> ServeConfig:
                    **engine},
         "experts": {"experts_per_actor": 2, "call_timeout_s": 5.0, "straggler_floor_ms": 20.0},
         "http": {"host": "127.0.0.1", "port": free_port()},
+        "body_timeout_s": 2.0,
         "tracing": {"endpoint": tracing_endpoint, "schedule_delay_ms": 200} if tracing_endpoint else None,
     }, ServeConfig)
 

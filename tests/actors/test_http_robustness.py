@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
@@ -91,6 +92,28 @@ def test_bad_inputs_get_openai_errors_while_a_stream_runs_intact(served, referen
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.head(url + "/health").status_code == 200
 
+
+
+def test_a_stalled_request_body_gets_408_within_body_timeout_s(served):
+    """A client that sends the headers and part of its body, then nothing (slowloris), is answered
+    408 in OpenAI's shape once ``body_timeout_s`` passes, instead of holding an ingress slot for as
+    long as it keeps the connection open (260 such clients stopped the server, /health included)."""
+    url, config, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    head = (f"POST {C} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 75\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=config.body_timeout_s + 30) as s:
+        s.sendall(head + b'{"model": "')
+        start, reply = time.monotonic(), b""
+        while b'"code"' not in reply and (chunk := s.recv(65536)):
+            reply += chunk
+        waited_s = time.monotonic() - start
+    status_line, _, rest = reply.partition(b"\r\n")
+    assert status_line.split()[1] == b"408", reply[:300]
+    err = json.loads(rest[rest.index(b"{"):rest.rindex(b"}") + 1])["error"]
+    assert err["type"] == "timeout" and "body_timeout_s" in err["message"]
+    assert config.body_timeout_s - 0.5 <= waited_s < config.body_timeout_s + 15
+    assert _post(url, C, OK_PROMPT).status_code == 200
 
 def test_models_list_and_retrieve_as_openai_clients_do(served, client):
     url = served[0]
