@@ -110,8 +110,8 @@ _SILU_BLOCK = 64
 # CPU ``grouped_mm`` computes each GEMM over every group's rows at once: gate and up activations
 # of ``rows x intermediate`` each, where the per-expert loop's working set is one group's. With the
 # bundled 256-wide experts in float32 (AMD EPYC VM, 512 KiB L2 a core; benchmarks/expert_ffn_cpu.py)
-# the grouped GEMMs won by 9-27 % a call up to 384 rows and lost by up to 1.8x at 640-1800 rows,
-# with an erratic cliff between (512 rows: 0.97-1.6x). Bounded here, a whole prefill of 512 / 900
+# the grouped GEMMs won by 9-27 % a call up to 384 rows, took 1.7-1.8x the loop's time at
+# 1024-1800 rows, and went either way at 512-640 rows from run to run. Bounded here, a whole prefill of 512 / 900
 # tokens (1024 / 1800 rows a layer) ran 1.24-1.29x / 1.08-1.12x as fast with one torch thread (an
 # expert actor's), 0.99-1.25x / 1.08-1.21x with two; shorter ones alike within 3 %.
 _GROUPED_MAX_ACTIVATION_BYTES = 512 * 1024
