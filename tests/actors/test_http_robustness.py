@@ -93,7 +93,6 @@ def test_bad_inputs_get_openai_errors_while_a_stream_runs_intact(served, referen
     assert httpx.head(url + "/health").status_code == 200
 
 
-
 def test_a_stalled_request_body_gets_408_within_body_timeout_s(served):
     """A client that sends the headers and part of its body, then nothing (slowloris), is answered
     408 in OpenAI's shape once ``body_timeout_s`` passes, instead of holding an ingress slot for as
@@ -114,6 +113,7 @@ def test_a_stalled_request_body_gets_408_within_body_timeout_s(served):
     assert err["type"] == "timeout" and "body_timeout_s" in err["message"]
     assert config.body_timeout_s - 0.5 <= waited_s < config.body_timeout_s + 15
     assert _post(url, C, OK_PROMPT).status_code == 200
+
 
 def test_models_list_and_retrieve_as_openai_clients_do(served, client):
     url = served[0]

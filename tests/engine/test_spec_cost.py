@@ -23,7 +23,6 @@ def test_online_cost_recovers_a_linear_model_with_non_negative_coefficients():
     assert collinear.predict(1.0, 10, 10) == pytest.approx(0.02, rel=0.05)
 
 
-
 def test_a_fixed_cost_takes_what_steps_of_one_shape_cannot_split():
     """Every step alike ([1, 1, 8]: 1 token, 8 experts, 5 ms): the data cannot tell the fixed cost
     from the slopes. With ``fixed_cost`` the constant takes it all, so a 7-token step is priced at
@@ -39,6 +38,7 @@ def test_a_fixed_cost_takes_what_steps_of_one_shape_cannot_split():
     for t in range(2, 60):  # then steps of other shapes: the slopes are learned as before
         free.observe([1.0, t % 9 + 1, 2.0 * (t % 5) + 8], 0.004 + 0.0003 * (t % 9 + 1) + 0.0001 * (2 * (t % 5) + 8))
     assert free.predict(1.0, 7.0, 27.0) == pytest.approx(0.004 + 0.0021 + 0.0027, rel=0.1)
+
 
 def _fit_with_stalls(huber: float) -> tuple[OnlineLinearCost, np.ndarray, np.ndarray]:
     """A draft-cost-like model fitted on steps with 5 % noise, one step in ten stalled 3-8x (a
