@@ -107,6 +107,7 @@ def _options(d) -> dict:
     return dict(num_replicas=d.num_replicas, max_ongoing_requests=d.max_ongoing_requests,
                 graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
                 graceful_shutdown_wait_loop_s=d.graceful_shutdown_wait_loop_s,
+                health_check_period_s=d.health_check_period_s, health_check_timeout_s=d.health_check_timeout_s,
                 ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus, "resources": dict(d.resources)})
 
 

@@ -26,6 +26,8 @@ from engine.errors import ConfigError
     # The draft actor is one per verifier replica: a replica count of its own was silently ignored.
     ("draft:\n  num_replicas: 2\n", "Object contains unknown field `num_replicas` - at `$.draft`"),
     ("engine_step_timeout_s: -1\n", "engine_step_timeout_s must be > 0, got -1.0"),
+    ("body_timeout_s: .inf\n", "body_timeout_s must be > 0 and finite, got inf"),
+    ("verifier:\n  health_check_timeout_s: 0\n", "health_check_timeout_s must be > 0 and finite, got 0.0 - at `$.verifier`"),
     ("verifier_start_timeout_s: 0\n", "verifier_start_timeout_s must be > 0, got 0.0"),
     ("http:\n  host: ''\n", "Expected `str` of length >= 1 - at `$.http.host`"),
     ("http:\n  api_key: ''\n", "Expected `str` of length >= 1 - at `$.http.api_key`"),
@@ -239,3 +241,15 @@ def test_the_api_key_never_shows_in_a_repr_of_the_config_yet_still_authenticates
     assert not guard.authorized(Headers({"authorization": "Bearer <redacted>"}))
     monkeypatch.setenv("SPECMOE_API_KEY", key)  # from the environment: never part of the repr at all
     assert key not in repr(base) and base.http.resolved_api_key() == key
+
+
+def test_deployment_options_carry_the_health_checks_to_serve():
+    """Serve replaces a replica after 3 failed health checks in a row; at its defaults (every 10 s,
+    30 s timeout) a hung verifier served nothing for ~105 s, so the deployments set their own."""
+    from actors.config import DeploymentConfig
+    from actors.deployments import _options
+
+    opts = _options(DeploymentConfig(health_check_period_s=3.0, health_check_timeout_s=7.0))
+    assert (opts["health_check_period_s"], opts["health_check_timeout_s"]) == (3.0, 7.0)
+    default = _options(DeploymentConfig())
+    assert (default["health_check_period_s"], default["health_check_timeout_s"]) == (2.0, 5.0)
