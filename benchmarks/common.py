@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -45,6 +46,20 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         self.elapsed_s = time.perf_counter() - self.start
+
+
+def call_times_ms(iters: int, fn, *args) -> tuple[float, float]:
+    """Median and p99 milliseconds of ``fn(*args)`` (wall clock, host side: sync inside ``fn`` for
+    device work), after 20 uncounted calls."""
+    for _ in range(20):
+        fn(*args)
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn(*args)
+        samples.append((time.perf_counter() - t) * 1e3)
+    samples.sort()
+    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

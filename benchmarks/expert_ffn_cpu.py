@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,17 +28,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "benchmarks":
 import torch  # noqa: E402
 
 import kernels.expert_ffn as ffn  # noqa: E402
-
-
-def median_us(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(max(3, calls // 10)):
-        fn()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+from benchmarks.common import TARGET, Timer, call_times_ms, load_prompts  # noqa: E402
 
 
 def layer_table(rows_list: list[int], experts: int = 8, hidden: int = 128, inter: int = 256) -> None:
@@ -52,17 +40,13 @@ def layer_table(rows_list: list[int], experts: int = 8, hidden: int = 128, inter
         counts = [rows // experts + (e < rows % experts) for e in range(experts)]
         x = torch.randn(rows, hidden, generator=g)
         calls = max(30, 20000 // rows)
-        args = (x, counts, wg, wu, wd)
-        grouped = median_us(lambda a=args: ffn.grouped_swiglu(*a), calls)
-        looped = median_us(lambda a=args: ffn.looped_swiglu(*a), calls)
-        host = torch.tensor(counts)
-        dispatch = median_us(lambda a=args, c=host: ffn.expert_ffn_reference(a[0], c, *a[2:]), calls)
+        runs = ((ffn.grouped_swiglu, counts), (ffn.looped_swiglu, counts), (ffn.expert_ffn_reference, torch.tensor(counts)))
+        grouped, looped, dispatch = (call_times_ms(calls, fn, x, c, wg, wu, wd)[0] * 1e3 for fn, c in runs)
         path = "grouped" if ffn._grouped(x, counts, wg, wu, wd) else "looped"
         print(f"{rows:>6} {grouped:>11.1f} {looped:>10.1f} {dispatch:>12.1f}  {path:8s} {grouped / looped:.2f}")
 
 
 def prefill_table(lengths: list[int], repeats: int) -> None:
-    from benchmarks.common import TARGET, load_prompts
     from engine import LLM, SamplingParams
 
     llm = LLM(TARGET)
@@ -76,9 +60,9 @@ def prefill_table(lengths: list[int], repeats: int) -> None:
             for name, limit in (("before", float("inf")), ("now", bound)):
                 ffn._GROUPED_MAX_ACTIVATION_BYTES = limit
                 try:
-                    t = time.perf_counter()
-                    llm.generate([ids[:n]], [params])
-                    times[name].append(time.perf_counter() - t)
+                    with Timer() as t:
+                        llm.generate([ids[:n]], [params])
+                    times[name].append(t.elapsed_s)
                 finally:
                     ffn._GROUPED_MAX_ACTIVATION_BYTES = bound
         before, now = (statistics.median(times[k]) * 1e3 for k in ("before", "now"))

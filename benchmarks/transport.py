@@ -13,29 +13,15 @@ its idle teardown. Milliseconds; overhead = hop - in-process work.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import DRAFT, ROOT, machine, print_table, save_json, sync  # noqa: E402
+from benchmarks.common import DRAFT, ROOT, call_times_ms, machine, print_table, save_json, sync  # noqa: E402
 
 TARGET = str(ROOT / "checkpoints/stdlib-moe-target")
-
-
-def _times_ms(iters: int, fn, *args) -> tuple[float, float]:
-    """Median and p99 of ``fn(*args)`` in ms, after 20 uncounted calls."""
-    for _ in range(20):
-        fn(*args)
-    samples = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn(*args)
-        samples.append((time.perf_counter() - t) * 1e3)
-    samples.sort()
-    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
 
 
 def _wait_live(graph, timeout_s: float = 120.0) -> None:
@@ -107,8 +93,8 @@ def bench_experts(iters: int, experts_per_actor: int, checkpoint: str = TARGET, 
         for batch in (1, 8):
             rows, weights, counts = expert_rows(batch * 7, config, torch_dtype, device)
             layer = config.moe.sparse_layers[0]
-            hop = _times_ms(iters, _synced(router.run_layer, device), layer, rows, weights, counts)
-            work = _times_ms(iters, _synced(local.forward, device), layer, rows, torch.tensor(counts), weights)
+            hop = call_times_ms(iters, _synced(router.run_layer, device), layer, rows, weights, counts)
+            work = call_times_ms(iters, _synced(local.forward, device), layer, rows, torch.tensor(counts), weights)
             rows_out.append({"hop": f"expert layer ({transport})", "batch": batch, "rows": rows.shape[0],
                              "median_ms": hop[0], "p99_ms": hop[1], "in_process_ms": work[0],
                              "overhead_ms": hop[0] - work[0]})
@@ -144,7 +130,7 @@ def bench_draft(iters: int) -> list[dict]:
     for batch in (1, 8):
         reqs = [DraftRequest(f"s{i}", prompt, 6) for i in range(batch)]
         local.propose(reqs)  # prefill once; then each call re-drafts from the cached prefix
-        work = _times_ms(iters // 3, local.propose, reqs)
+        work = call_times_ms(iters // 3, local.propose, reqs)
         for transport in ("compiled_graph", "actor_calls"):
             spec = DraftActorSpec(DRAFT, "float32", "cpu", 16, None, None, f"bench-draft-{transport}-{batch}",
                                   "specmoe")
@@ -152,7 +138,7 @@ def bench_draft(iters: int) -> list[dict]:
             if drafter.graph is not None:
                 _wait_live(drafter.graph)
             drafter.propose(reqs)
-            hop = _times_ms(iters // 3, drafter.propose, reqs)
+            hop = call_times_ms(iters // 3, drafter.propose, reqs)
             rows_out.append({"hop": f"draft proposal ({transport})", "batch": batch, "rows": batch,
                              "median_ms": hop[0], "p99_ms": hop[1], "in_process_ms": work[0],
                              "overhead_ms": hop[0] - work[0]})
