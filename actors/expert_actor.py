@@ -21,7 +21,7 @@ class ExpertWorker(GraphParking):
         dtype, device: weight/activation dtype and device.
         torch_threads: torch intra-op threads (1 on CPU, so actors share cores fairly).
         tracing: :class:`observability.TracingConfig` as builtins (None: environment only).
-        offload: a resident budget (:meth:`actors.config.ExpertPoolConfig.offload_settings`): the
+        offload: a resident budget (:meth:`actors.expert_config.ExpertPoolConfig.offload_settings`): the
             experts live in an :class:`engine.expert_offload.OffloadedExpertStore`; None: all resident.
     """
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import ray
 
-from actors.config import ExpertPoolConfig
 from actors.expert_actor import ExpertActor
+from actors.expert_config import ExpertPoolConfig
 from actors.teardown import kill_actor
 
 log = logging.getLogger(__name__)

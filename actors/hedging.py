@@ -45,7 +45,7 @@ class HedgePolicy:
     """When to hedge a call of each expert group.
 
     Args:
-        config: an :class:`actors.config.ExpertPoolConfig` (its ``hedge*`` fields).
+        config: an :class:`actors.expert_config.ExpertPoolConfig` (its ``hedge*`` fields).
     """
 
     def __init__(self, config: Any) -> None:

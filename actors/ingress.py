@@ -42,7 +42,7 @@ from actors.openai_protocol import (
     unknown_model,
 )
 from actors.responses import ResponseBuilder, sse
-from actors.telemetry import RequestTelemetry
+from actors.telemetry import RequestTelemetry, Telemetries
 from actors.tokenizer_routes import TokenizerRoutes
 from engine.chat_template import ChatTemplate
 from engine.loader import encode_text, max_chars_per_token, special_tokens_for
@@ -386,19 +386,6 @@ class Prompt(NamedTuple):
     ids: list[int]
     text: str | None
     params: SamplingParams
-
-
-class Telemetries(list):
-    """The :class:`RequestTelemetry` of each prompt of one HTTP request (the first one owns the
-    HTTP span, so it is finished last)."""
-
-    def __init__(self, tels: list[RequestTelemetry], response_id: str) -> None:
-        super().__init__(tels)
-        self.response_id = response_id
-
-    def finish(self, status: int, refusal: str | None = None) -> None:
-        for tel in reversed(self):
-            tel.finish(status, self.response_id, refusal=refusal)
 
 
 def _cancel(streams: list) -> None:

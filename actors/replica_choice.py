@@ -36,7 +36,7 @@ def choose(replicas: Sequence[Replica], rows: int, config, planned: dict[int, in
 
     Args:
         replicas: the group's usable replicas (non-empty).
-        config: an :class:`actors.config.ExpertPoolConfig` (``split_min_rows``, ``straggler_*``).
+        config: an :class:`actors.expert_config.ExpertPoolConfig` (``split_min_rows``, ``straggler_*``).
         planned: calls already planned this layer per actor (``id(replica.stats)``); updated.
     """
     def expected(r: Replica) -> float:

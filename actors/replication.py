@@ -5,7 +5,7 @@ on devices with spare capacity, so their tokens are split over more devices. Her
 expert group and the device an expert actor: a *guest* replica of a hot group is hosted by another
 group's actor (``ExpertWorker.host_experts``), and the router splits the group's rows over all of
 its replicas (:mod:`actors.replica_choice`). The rule, thresholds and hysteresis are in
-:class:`actors.config.ReplicationConfig`.
+:class:`actors.expert_config.ReplicationConfig`.
 
 Safe mid-request: the :class:`Rebalancer` runs on the engine thread between two layer dispatches,
 so no call is in flight on the actor-call path except hedge losers and probes. A new guest takes
@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-from actors.config import ReplicationConfig
+from actors.expert_config import ReplicationConfig
 from actors.expert_pool import ExpertPool, Replica
 
 log = logging.getLogger(__name__)

@@ -288,3 +288,16 @@ class RequestTelemetry:
         self.trace.end(status, sc.gen_ai_response_attributes(
             response_id=response_id, finish_reasons=reasons, input_tokens=prompt if self.usage else None,
             output_tokens=output if self.usage else None), reasons)
+
+
+class Telemetries(list):
+    """The :class:`RequestTelemetry` of each prompt of one HTTP request (the first one owns the
+    HTTP span, so it is finished last)."""
+
+    def __init__(self, tels: list[RequestTelemetry], response_id: str) -> None:
+        super().__init__(tels)
+        self.response_id = response_id
+
+    def finish(self, status: int, refusal: str | None = None) -> None:
+        for tel in reversed(self):
+            tel.finish(status, self.response_id, refusal=refusal)

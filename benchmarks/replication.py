@@ -35,7 +35,7 @@ from benchmarks.common import TARGET, load_prompts, machine, print_table, save_j
 def make_router(checkpoint: str, replication: bool, tag: str, straggler_floor_ms: float):
     import torch
 
-    from actors.config import ExpertPoolConfig, ReplicationConfig
+    from actors.expert_config import ExpertPoolConfig, ReplicationConfig
     from actors.expert_pool import ExpertPool
     from actors.expert_router import ExpertRouter
 

@@ -70,7 +70,7 @@ def bench_experts(iters: int, experts_per_actor: int, checkpoint: str = TARGET, 
                   device: str = "cpu") -> list[dict]:
     import torch
 
-    from actors.config import ExpertPoolConfig
+    from actors.expert_config import ExpertPoolConfig
     from actors.expert_pool import ExpertPool
     from actors.expert_router import ExpertRouter
     from engine.checkpoint import CheckpointReader
@@ -118,8 +118,8 @@ def _idle_cpu(pids: list[int], seconds: float = 10.0) -> dict:
 
 
 def bench_draft(iters: int) -> list[dict]:
-    from actors.config import ExpertPoolConfig
     from actors.draft_server import DraftActorSpec, RemoteDrafter
+    from actors.expert_config import ExpertPoolConfig
     from engine.drafters.base import DraftRequest
     from engine.drafters.draft_model import DraftModelDrafter
     from engine.loader import load_model

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
+import re
 from pathlib import Path
 from typing import TypeVar
 
@@ -46,9 +48,63 @@ def load_yaml(path: str | Path, schema: type[T]) -> T:
         raise ConfigError(f"{path}: invalid YAML ({e})") from e
     if tree is None:
         raise ConfigError(f"{path}: the file is empty (expected the fields of {schema.__name__})")
-    try:  # what msgspec.yaml.decode does after its own yaml.load
-        return msgspec.convert(tree, schema, builtin_types=(datetime.datetime, datetime.date))
+    try:
+        return _convert(tree, schema)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{path}: {e}") from e
+        raise ConfigError(f"{path}: {_with_dict_keys(tree, schema, str(e))}") from e
     except (ValueError, TypeError) as e:  # raised by a Struct's __post_init__, which names its field
         raise ConfigError(f"{path}: {e}") from e
+
+
+def _convert(tree: object, schema: type[T]) -> T:
+    """What msgspec.yaml.decode does after its own yaml.load."""
+    return msgspec.convert(tree, schema, builtin_types=(datetime.datetime, datetime.date))
+
+
+_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+
+
+def _with_dict_keys(tree: object, schema: type, message: str) -> str:
+    """``message`` with each ``[...]`` of its path (msgspec does not keep a dict entry's key)
+    replaced by the key: the entry that alone, its dict's other entries left out, raises the same
+    error (e.g. ``$.engine.scheduler.slo_classes.interactive``). Unchanged if none does."""
+    head, sep, path = message.rpartition(" - at `$")
+    if not sep or "[...]" not in path:
+        return message
+    path = path.rstrip("`")
+    trail: list = []  # keys and indexes from the root to the current node
+    for m in _SEGMENT.finditer(path):
+        name, index = m.groups()
+        if index != "...":
+            trail.append(name if name is not None else int(index))
+            continue
+        key = _failing_key(tree, schema, trail, message)
+        if key is None:
+            return message
+        trail.append(key)
+    named = "".join(f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in trail)
+    return f"{head} - at `${named}`"
+
+
+def _failing_key(tree: object, schema: type, trail: list, message: str) -> object | None:
+    """The key of the dict at ``trail`` whose entry alone raises ``message``, or None."""
+    node = tree
+    for k in trail:
+        node = node[k]
+    if not isinstance(node, dict):
+        return None
+    for key, value in node.items():
+        trial = copy.deepcopy(tree)
+        parent = trial
+        for k in trail:
+            parent = parent[k]
+        parent.clear()
+        parent[key] = value
+        try:
+            _convert(trial, schema)
+        except msgspec.ValidationError as e:
+            if str(e) == message:
+                return key
+        except (ValueError, TypeError):  # another rule (e.g. a default class now missing) fired first
+            continue
+    return None

@@ -40,6 +40,11 @@ from engine.errors import ConfigError
     # A class's name is in the message (msgspec's own path shows a dict key as [...]).
     ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      fast: {ttft_ms: 100}\n      slow: {ttft_ms: -5}\n",
      "slo_classes.slow.ttft_ms must be > 0, got -5.0 - at `$.engine.scheduler`"),
+    # msgspec's path has [...] for a dict entry; the message names the entry's key instead.
+    ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      fast: {ttft_ms: 100}\n      slow: {tpot_msx: 5}\n",
+     "Object contains unknown field `tpot_msx` - at `$.engine.scheduler.slo_classes.slow`"),
+    ("engine:\n  model: x\n  scheduler:\n    slo_classes:\n      fast: {ttft_ms: soon}\n      slow: {ttft_ms: 9}\n",
+     "Expected `float | null`, got `str` - at `$.engine.scheduler.slo_classes.fast.ttft_ms`"),
     ("stream_batching_interval_ms: -1\n", "stream_batching_interval_ms must be >= 0, got -1.0"),
     ("stream_batching_interval_ms: .inf\n", "stream_batching_interval_ms must be finite, got inf"),
     # Batching a stream must not by itself break a class's ITL budget.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.config import ExpertPoolConfig, ReplicationConfig
+from actors.expert_config import ExpertPoolConfig, ReplicationConfig
 from actors.expert_router import ExpertRouter
 from actors.replica_choice import split_counts
 from engine.llm import LLM

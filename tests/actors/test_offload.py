@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.config import ExpertPoolConfig
+from actors.expert_config import ExpertPoolConfig
 from actors.expert_router import ExpertRouter
 from actors.telemetry import RouterTelemetry
 from engine.drafters.draft_model import DraftModelDrafter

@@ -3,8 +3,8 @@ expert actor's replacement kills it, and so does a draft actor's (Ray-free: acto
 
 import actors.draft_server as draft_server
 import actors.expert_pool as expert_pool
-from actors.config import ExpertPoolConfig
 from actors.draft_server import DraftActorSpec, RemoteDrafter
+from actors.expert_config import ExpertPoolConfig
 from actors.expert_pool import ExpertPool
 
 

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from actors.config import ReplicationConfig
+from actors.expert_config import ReplicationConfig
 from actors.expert_router import ExpertRouter
 from engine.checkpoint import CheckpointReader
 from engine.config import load_model_config

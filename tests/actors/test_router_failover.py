@@ -16,8 +16,8 @@ import torch
 
 from actors import expert_pool
 from actors.actor_calls import ExpertCallFailed
-from actors.config import ExpertPoolConfig
 from actors.expert_actor import ExpertWorker
+from actors.expert_config import ExpertPoolConfig
 from actors.expert_pool import ExpertPool
 from actors.expert_router import ExpertRouter
 from actors.wire import from_bytes, from_wire, to_bytes, to_wire

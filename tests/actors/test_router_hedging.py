@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 
-from actors.config import ExpertPoolConfig
+from actors.expert_config import ExpertPoolConfig
 from actors.expert_router import ExpertRouter
 from actors.hedging import HedgePolicy
 from actors.telemetry import RouterTelemetry

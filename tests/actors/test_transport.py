@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from actors.config import ExpertPoolConfig
+from actors.expert_config import ExpertPoolConfig
 from actors.expert_pool import ExpertPool
 from actors.expert_router import ExpertRouter
 from actors.graph_park import GraphParking

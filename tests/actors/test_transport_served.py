@@ -13,8 +13,8 @@ import pytest
 import ray
 import torch
 
-from actors.config import ExpertPoolConfig
 from actors.draft_server import DraftActorSpec, RemoteDrafter
+from actors.expert_config import ExpertPoolConfig
 from engine import SamplingParams
 from engine.drafters.base import DraftRequest
 from engine.drafters.draft_model import DraftModelDrafter

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from actors import actor_calls, expert_actor, expert_pool, expert_router
-from actors.config import ExpertPoolConfig
+from actors.expert_config import ExpertPoolConfig
 from actors.expert_pool import ExpertPool, Replica
 
 

@@ -53,7 +53,7 @@ def test_constructor_validates():
 
 
 def test_replica_latency_ewma_steers_the_router_to_the_faster_replica():
-    from actors.config import ExpertPoolConfig
+    from actors.expert_config import ExpertPoolConfig
     from actors.expert_pool import Replica
     from actors.replica_choice import choose
 
