@@ -215,6 +215,7 @@ class ActorGraph:
                         self.stats.late += 1
                         self._retire()
                 else:
+                    execution.timed_out = isinstance(e, TimeoutError)
                     self._failed(execution.dag, e)
             return None
         finally:

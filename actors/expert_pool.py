@@ -170,6 +170,23 @@ class ExpertPool:
         self.version += 1
         return fresh
 
+    def replace_unresponsive(self, replicas: list[Replica], timeout_s: float) -> list[Replica]:
+        """Re-create every actor among ``replicas`` (a guest's: its host) that does not answer a
+        no-op call within ``timeout_s``; returns the re-created ones (the dead generation).
+
+        For a compiled-graph execution that timed out: its error does not say which member held it
+        up, and a layer's actor calls would otherwise wait ``call_timeout_s`` again on a hung one
+        before re-creating it. The no-op runs on the actor's second thread (``max_concurrency``
+        2), so this finds a process that answers nothing (stopped, frozen, its node gone); one
+        stuck in its forward but otherwise alive still costs the actor calls' timeout."""
+        actors = {id(r): r for r in (r.host or r for r in replicas) if r.alive}
+        refs = {r.handle.__ray_ready__.remote(): r for r in actors.values()}
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        hung = [refs[ref] for ref in pending]
+        for r in hung:
+            self.recreate(r)
+        return hung
+
     def actors(self) -> list[Replica]:
         """Every replica with its own actor (no guests), in group then replica order."""
         return [r for r in self.all_replicas() if r.host is None]

@@ -42,6 +42,9 @@ from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
 
 log = logging.getLogger(__name__)
+# After a graph execution's timeout, how long its members get to answer a no-op before the ones
+# that do not are re-created: an idle actor answers in ~1 ms, a loaded 2-core machine's in tens.
+HUNG_PING_TIMEOUT_S = 2.0
 
 
 class ExpertRouter(RouterGraphs):
@@ -144,6 +147,8 @@ class ExpertRouter(RouterGraphs):
             error = None
             try:
                 results = self._wait_graph(calls, execution) if execution is not None else None
+                if results is None and execution is not None and execution[1].timed_out:
+                    self.pool.replace_unresponsive(members, HUNG_PING_TIMEOUT_S)
                 if results is not None and self._graph_straggler(members) is not None:
                     # Replaced at once, not once no execution is out: an execution still out
                     # (the other micro-batch's) queues behind the straggler; dropping the graph

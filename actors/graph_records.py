@@ -28,9 +28,11 @@ class GraphStats:
 class Execution:
     """One submitted graph execution: the graph it went to, its result reference, when it was
     submitted (``time.monotonic()``), and whether :meth:`actors.compiled_graph.ActorGraph.wait`
-    gave up on it at its hedge deadline."""
+    gave up on it at its hedge deadline (``late``) or after the graph's whole ``timeout_s``
+    (``timed_out``: a member is hung or very slow)."""
 
     dag: Any
     ref: Any
     sent_mono_s: float = 0.0
     late: bool = False
+    timed_out: bool = False

@@ -5,8 +5,9 @@ These run on the session's Ray (the ``served`` app's), with pools and draft acto
 """
 
 import os
+import signal
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import pytest
 import ray
@@ -111,6 +112,39 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     graph_layers = router.num_graph_layers
     torch.testing.assert_close(router.execute(2, hidden, routing), expected, rtol=1e-6, atol=1e-6)
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
+
+
+def test_a_hung_actor_under_the_graph_is_replaced_without_waiting_for_actor_calls(served):
+    # The graph's execution times out once; the member that then answers no no-op is re-created
+    # before the layer's actor calls go out, so none of them times out on it (before: the
+    # fallback's call to the stopped actor waited call_timeout_s again). The default timeout:
+    # the fresh actor's first call includes its start on a loaded machine.
+    config = ExpertPoolConfig(experts_per_actor=3)
+    pool = ExpertPool(TARGET, 8, config, prefix=f"test-hung-{os.getpid()}", detached=False)
+    pool.start()
+    pool.wait_loaded(120)
+    router = ExpertRouter(pool, torch.float32, graph=True)
+    hidden, routing = _layer_inputs(9, seed=3)
+    expected = _expected(2, hidden, routing)
+    try:
+        wait_until(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
+        victim = router.graph.members[1]
+        generations = [r.generation for r in router.graph.members]
+        pid = ray._private.state.actors(victim.handle._actor_id.hex())["Pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            out = router.execute(2, hidden, routing)
+        finally:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        assert router.graph.stats.failures == 1
+        assert router.actor_calls.num_retries == 0  # no actor call waited on the stopped actor
+        assert [r.generation for r in (pool.replicas[g][0] for g in range(3))] == \
+            [generations[0], generations[1] + 1, generations[2]]  # only the stopped actor re-created
+    finally:
+        router.close()
+        pool.shutdown()
 
 
 @contextmanager
