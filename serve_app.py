@@ -67,10 +67,16 @@ def resolve_paths(config: ServeConfig, base: Path) -> None:
         setattr(e, field, str(path))
 
 
-def check_expert_budget(config: ServeConfig, model: ModelConfig) -> None:
-    """A byte budget of resident experts must hold one layer's held experts plus the pinned ones
-    (checked here, where the target's expert size is known from ``model``, not in every expert actor)."""
+def check_experts(config: ServeConfig, model: ModelConfig) -> None:
+    """What the ``experts`` section can only be checked against the target (``model``), here rather
+    than in every expert actor: groups named in ``hot_expert_replicas`` exist, and a byte budget of
+    resident experts holds one layer's held experts plus the pinned ones."""
     x = config.experts
+    num_groups = -(-model.moe.num_experts // x.experts_per_actor)
+    for group in x.hot_expert_replicas:
+        if group >= num_groups:
+            raise StartupError(f"experts.hot_expert_replicas: group {group} does not exist ({model.moe.num_experts} "
+                               f"experts, {x.experts_per_actor} per actor: groups 0-{num_groups - 1})")
     if x.max_resident_bytes is None:
         return
     from engine.loader import resolve_dtype
@@ -166,7 +172,7 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
 
     address = cluster_address(address)
     resolve_paths(config, base or Path.cwd())
-    check_expert_budget(config, config.engine.check_checkpoints("engine."))
+    check_experts(config, config.engine.check_checkpoints("engine."))
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
         check_port(config.http.host, config.http.port)
         # Here too (not only in the replicas): the embedded start runs every replica on this machine.
@@ -186,7 +192,10 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
         raise proxy_start_error(config.http.host, config.http.port, e) from e
     # $SPECMOE_API_KEY into the config the ingress gets (kept out of ray_env's logged runtime env)
     http = msgspec.structs.replace(config.http, api_key=config.http.resolved_api_key())
-    serve.run(bind_app(msgspec.structs.replace(config, http=http)), name=APP_NAME, route_prefix="/", blocking=False)
+    try:
+        serve.run(bind_app(msgspec.structs.replace(config, http=http)), name=APP_NAME, route_prefix="/", blocking=False)
+    except RuntimeError as e:  # Serve's DEPLOY_FAILED: a replica's constructor failed three times
+        raise StartupError(f"the application did not deploy ({e}); the replicas' errors are in the log above") from e
     url = f"http://{config.http.host}:{config.http.port}"
     _wait_healthy(url, wait_ready_s)
     return url
@@ -213,7 +222,7 @@ def build_app(args: dict):
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     try:
         resolve_paths(config, REPO_ROOT)
-        check_expert_budget(config, config.engine.check_checkpoints("engine."))
+        check_experts(config, config.engine.check_checkpoints("engine."))
     except (StartupError, CheckpointError, ConfigError) as e:
         raise ConfigError(f"serve_app:build_app args: {e}") from e
     return bind_app(config)

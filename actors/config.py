@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from actors.api_key import ApiKeyHolder
-from actors.expert_config import ExpertPoolConfig, check_actor_resources, require
+from actors.expert_config import ExpertPoolConfig, check_actor_resources, require, require_finite
 from engine.args import EngineArgs
 from observability.tracing import TracingConfig
 
@@ -53,13 +53,11 @@ class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     def __post_init__(self) -> None:
         require(self.num_replicas >= 1, "num_replicas", ">= 1", self.num_replicas)
         for name in ("health_check_period_s", "health_check_timeout_s"):
-            require(0 < getattr(self, name) < math.inf, name, "> 0 and finite", getattr(self, name))
+            require_finite(name, getattr(self, name), 0)
         check_actor_resources(self.resources, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
         require(self.max_ongoing_requests >= 1, "max_ongoing_requests", ">= 1", self.max_ongoing_requests)
-        require(self.graceful_shutdown_timeout_s >= 0, "graceful_shutdown_timeout_s", ">= 0",
-                 self.graceful_shutdown_timeout_s)
-        require(self.graceful_shutdown_wait_loop_s > 0, "graceful_shutdown_wait_loop_s", "> 0",
-                 self.graceful_shutdown_wait_loop_s)
+        require_finite("graceful_shutdown_timeout_s", self.graceful_shutdown_timeout_s, 0, strict=False)
+        require_finite("graceful_shutdown_wait_loop_s", self.graceful_shutdown_wait_loop_s, 0)
 
 
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
@@ -156,10 +154,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
-        require(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)
-        require(0 < self.body_timeout_s < math.inf, "body_timeout_s", "> 0 and finite", self.body_timeout_s)
-        require(self.verifier_start_timeout_s > 0, "verifier_start_timeout_s", "> 0", self.verifier_start_timeout_s)
-        require(self.engine_step_timeout_s > 0, "engine_step_timeout_s", "> 0", self.engine_step_timeout_s)
+        for name in ("request_timeout_s", "body_timeout_s", "verifier_start_timeout_s", "engine_step_timeout_s"):
+            require_finite(name, getattr(self, name), 0)
         interval_ms = self.stream_batching_interval_ms
         require(interval_ms >= 0, "stream_batching_interval_ms", ">= 0", interval_ms)
         # .inf would hold a stream's tokens until it ends: that is stream=false, not batching.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -13,6 +14,13 @@ def require(ok: bool, field: str, rule: str, value: object) -> None:
     adds the path of the section, e.g. `` - at `$.experts` ``)."""
     if not ok:
         raise ValueError(f"{field} must be {rule}, got {value!r}")
+
+
+def require_finite(field: str, value: float, low: float, strict: bool = True) -> None:
+    """``value`` > ``low`` (``strict``) or >= ``low``, and finite (NaN fails too): a timeout or an
+    interval of inf reaches a Ray call that cannot take it (``ray.wait``'s OverflowError)."""
+    ok = (value > low if strict else value >= low) and value < math.inf
+    require(ok, field, f"{'>' if strict else '>='} {low:g} and finite", value)
 
 
 def check_actor_resources(resources: dict[str, float], prefix: str = "", **amounts: float) -> None:
@@ -200,26 +208,27 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         check_actor_resources(self.resources, "experts.", num_gpus=self.num_gpus)
         require(self.torch_threads >= 1, "experts.torch_threads", ">= 1", self.torch_threads)
         for group, n in self.hot_expert_replicas.items():
+            require(group >= 0, "experts.hot_expert_replicas", "keyed by group indexes >= 0", group)
             require(n >= 1, f"experts.hot_expert_replicas.{group}", ">= 1", n)
-        require(self.call_timeout_s > 0, "experts.call_timeout_s", "> 0", self.call_timeout_s)
+        require_finite("experts.call_timeout_s", self.call_timeout_s, 0)
         require(self.max_attempts >= 1, "experts.max_attempts", ">= 1", self.max_attempts)
-        require(self.graph_idle_park_s > 0, "experts.graph_idle_park_s", "> 0", self.graph_idle_park_s)
+        require_finite("experts.graph_idle_park_s", self.graph_idle_park_s, 0)
         require(self.graph_buffer_size_bytes >= 1024, "experts.graph_buffer_size_bytes", ">= 1024",
                  self.graph_buffer_size_bytes)
-        require(self.graph_build_after_s >= 0, "experts.graph_build_after_s", ">= 0", self.graph_build_after_s)
+        require_finite("experts.graph_build_after_s", self.graph_build_after_s, 0, strict=False)
         if not 0 < self.hedge_quantile <= 1:
             raise ValueError(f"experts.hedge_quantile must be in (0, 1], got {self.hedge_quantile}")
-        if not self.hedge_factor >= 1:
-            raise ValueError(f"experts.hedge_factor must be >= 1, got {self.hedge_factor}")
-        if not self.hedge_floor_ms >= 0:
-            raise ValueError(f"experts.hedge_floor_ms must be >= 0, got {self.hedge_floor_ms}")
-        require(self.graph_hedge_floor_ms >= 0, "experts.graph_hedge_floor_ms", ">= 0", self.graph_hedge_floor_ms)
+        require_finite("experts.hedge_factor", self.hedge_factor, 1, strict=False)
+        for name in ("hedge_floor_ms", "graph_hedge_floor_ms", "straggler_floor_ms"):
+            require_finite(f"experts.{name}", getattr(self, name), 0, strict=False)
+        # The straggler rule avoids replicas slower than this multiple of the group's best: under 1
+        # it would avoid the best one too.
+        require_finite("experts.straggler_multiple", self.straggler_multiple, 1, strict=False)
         if not 1 <= self.hedge_min_samples <= self.hedge_window:
             raise ValueError(f"experts.hedge_min_samples must be >= 1 and <= experts.hedge_window, got "
                              f"{self.hedge_min_samples} and {self.hedge_window}")
-        if self.split_min_rows < 0 or not self.probe_interval_s > 0:
-            raise ValueError(f"experts.split_min_rows must be >= 0 and experts.probe_interval_s > 0, got "
-                             f"{self.split_min_rows} and {self.probe_interval_s}")
+        require(self.split_min_rows >= 0, "experts.split_min_rows", ">= 0", self.split_min_rows)
+        require_finite("experts.probe_interval_s", self.probe_interval_s, 0)
 
 
     def _check_offload(self) -> None:

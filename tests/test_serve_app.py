@@ -111,6 +111,10 @@ def test_bad_dtype_device_checkpoints_and_a_small_expert_byte_budget_fail_before
                                   "engine.max_model_len: must be in [2, 1024] (the model's max_position_embeddings), "
                                   "got 5000"),
                                  (("device: cpu", "device: cpu\n  max_model_len: 1"), "engine.max_model_len: must be in"),
+                                 # Was accepted and ignored: the pool has only the groups that exist.
+                                 (("experts_per_actor: 8", "experts_per_actor: 8\n  hot_expert_replicas: {1: 2}"),
+                                  "experts.hot_expert_replicas: group 1 does not exist (8 experts, 8 per actor: "
+                                  "groups 0-0)"),
                                  # 8 experts of 3 x 256 x 128 float32 weights: 8 x 393216 bytes at least
                                  (("experts_per_actor: 8", "experts_per_actor: 8\n  max_resident_bytes: 1000"),
                                   "experts.max_resident_bytes must be >= 3145728 (one layer's 8 held and pinned "
@@ -140,6 +144,27 @@ def test_ray_not_starting_is_a_clear_startup_error(monkeypatch, capsys):
     assert serve_app.main(["--config", "configs/embedded.yaml", "--address", "10.0.0.5:6379"]) == 2
     err = capsys.readouterr().err
     assert "cannot start: Ray did not start (address '10.0.0.5:6379')" in err and "timed out during startup" in err
+
+
+def test_a_deployment_that_fails_is_a_clear_startup_error(monkeypatch, capsys):
+    """Serve gives up on a replica whose constructor failed three times: that was a traceback."""
+    from ray import serve
+
+    import actors.cluster
+
+    def failed(*_args, **_kwargs):  # what serve.run raises then (Ray 2.60)
+        raise RuntimeError("Deploying application specmoe failed: Failed to update the deployments ['verifier'].")
+
+    monkeypatch.setattr(actors.cluster, "init_ray", lambda *_: False)
+    monkeypatch.setattr(actors.cluster, "create_drain_signal", lambda *_: None)
+    monkeypatch.setattr(serve_app, "check_port", lambda *_: None)
+    monkeypatch.setattr(serve, "start", lambda **_: None)
+    monkeypatch.setattr(serve, "run", failed)
+    monkeypatch.setattr(serve_app, "stop", lambda *_: None)
+    assert serve_app.main(["--config", "configs/embedded.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start: the application did not deploy (Deploying application specmoe failed: " in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("cli, env, expected", [

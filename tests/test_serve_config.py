@@ -14,8 +14,17 @@ from engine.errors import ConfigError
     # One field per message, with its value (several fields used to share one message).
     ("experts:\n  max_attempts: 0\n", "experts.max_attempts must be >= 1, got 0 - at `$.experts`"),
     ("experts:\n  hot_expert_replicas: {3: 0}\n", "experts.hot_expert_replicas.3 must be >= 1, got 0"),
+    ("experts:\n  hot_expert_replicas: {-1: 2}\n",
+     "experts.hot_expert_replicas must be keyed by group indexes >= 0, got -1 - at `$.experts`"),
+    # inf reached ray.wait in every layer (OverflowError: a 500 for every request) or the start's ray.get.
+    ("experts:\n  call_timeout_s: .inf\n", "experts.call_timeout_s must be > 0 and finite, got inf - at `$.experts`"),
+    ("verifier_start_timeout_s: .inf\n", "verifier_start_timeout_s must be > 0 and finite, got inf"),
+    ("verifier:\n  graceful_shutdown_timeout_s: .inf\n", "graceful_shutdown_timeout_s must be >= 0 and finite, got inf"),
+    # Accepted, then every verifier replica failed in its straggler detector.
+    ("experts:\n  straggler_multiple: .nan\n", "experts.straggler_multiple must be >= 1 and finite, got nan"),
+    ("experts:\n  straggler_floor_ms: -5\n", "experts.straggler_floor_ms must be >= 0 and finite, got -5.0"),
     ("verifier:\n  max_ongoing_requests: -2\n", "max_ongoing_requests must be >= 1, got -2 - at `$.verifier`"),
-    ("request_timeout_s: -1\n", "request_timeout_s must be > 0, got -1.0"),
+    ("request_timeout_s: -1\n", "request_timeout_s must be > 0 and finite, got -1.0"),
     # Ray refuses these only when it places an actor, inside a replica's start (tracebacks, exit 1).
     ("verifier:\n  num_cpus: -1\n", "num_cpus must be >= 0, got -1.0 - at `$.verifier`"),
     ("verifier:\n  num_gpus: -1\n", "num_gpus must be >= 0, got -1.0 - at `$.verifier`"),
@@ -25,10 +34,10 @@ from engine.errors import ConfigError
     ("experts:\n  torch_threads: 0\n", "experts.torch_threads must be >= 1, got 0 - at `$.experts`"),
     # The draft actor is one per verifier replica: a replica count of its own was silently ignored.
     ("draft:\n  num_replicas: 2\n", "Object contains unknown field `num_replicas` - at `$.draft`"),
-    ("engine_step_timeout_s: -1\n", "engine_step_timeout_s must be > 0, got -1.0"),
+    ("engine_step_timeout_s: -1\n", "engine_step_timeout_s must be > 0 and finite, got -1.0"),
     ("body_timeout_s: .inf\n", "body_timeout_s must be > 0 and finite, got inf"),
     ("verifier:\n  health_check_timeout_s: 0\n", "health_check_timeout_s must be > 0 and finite, got 0.0 - at `$.verifier`"),
-    ("verifier_start_timeout_s: 0\n", "verifier_start_timeout_s must be > 0, got 0.0"),
+    ("verifier_start_timeout_s: 0\n", "verifier_start_timeout_s must be > 0 and finite, got 0.0"),
     ("http:\n  host: ''\n", "Expected `str` of length >= 1 - at `$.http.host`"),
     ("http:\n  api_key: ''\n", "Expected `str` of length >= 1 - at `$.http.api_key`"),
     ("http:\n  allowed_origins: ['']\n", "Expected `str` of length >= 1 - at `$.http.allowed_origins[0]`"),

@@ -54,7 +54,7 @@ class FakeGraph:
 
     def submit(self, request):
         # run at wait: the members' order is what the test checks
-        return SimpleNamespace(build=self.stats.builds, request=request, late=False)
+        return SimpleNamespace(build=self.stats.builds, request=request, late=False, timed_out=False)
 
     fail_next = False  # the next execution fails (a member died): the graph is dropped
 
