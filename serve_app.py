@@ -32,7 +32,7 @@ try:
 
     from actors.api_key import API_KEY_ENV
     from actors.config import ServeConfig
-    from engine.config import ModelConfig
+    from actors.startup_checks import StartupError, check_experts, check_fits_this_machine
     from engine.errors import CheckpointError, ConfigError
     from engine.yaml_config import load_yaml
 except KeyboardInterrupt:  # nothing started yet: nothing to stop
@@ -50,10 +50,6 @@ _running: dict = {}  # the app this process deployed: owns_ray, namespace, signa
 SHARED_EXPERT_PREFIX = "specmoe-experts-g"  # the detached shared pool's actor names (actors/expert_pool.py)
 
 
-class StartupError(RuntimeError):
-    """The server cannot start; the message says why."""
-
-
 def resolve_paths(config: ServeConfig, base: Path) -> None:
     """Make checkpoint paths absolute (Ray workers do not share the driver's cwd) and check them."""
     e = config.engine
@@ -65,28 +61,6 @@ def resolve_paths(config: ServeConfig, base: Path) -> None:
         if not (path / "config.json").is_file():
             raise StartupError(f"engine.{field}: checkpoint {str(path)!r} not found (no config.json there)")
         setattr(e, field, str(path))
-
-
-def check_experts(config: ServeConfig, model: ModelConfig) -> None:
-    """What the ``experts`` section can only be checked against the target (``model``), here rather
-    than in every expert actor: groups named in ``hot_expert_replicas`` exist, and a byte budget of
-    resident experts holds one layer's held experts plus the pinned ones."""
-    x = config.experts
-    num_groups = -(-model.moe.num_experts // x.experts_per_actor)
-    for group in x.hot_expert_replicas:
-        if group >= num_groups:
-            raise StartupError(f"experts.hot_expert_replicas: group {group} does not exist ({model.moe.num_experts} "
-                               f"experts, {x.experts_per_actor} per actor: groups 0-{num_groups - 1})")
-    if x.max_resident_bytes is None:
-        return
-    from engine.loader import resolve_dtype
-    from engine.model.moe import expert_entry_bytes
-
-    entry_bytes = expert_entry_bytes(model, resolve_dtype(config.engine.dtype))
-    entries = min(x.experts_per_actor, model.moe.num_experts) + x.pinned_hot_experts
-    if x.max_resident_bytes < entries * entry_bytes:
-        raise StartupError(f"experts.max_resident_bytes must be >= {entries * entry_bytes} (one layer's "
-                           f"{entries} held and pinned experts of {entry_bytes} bytes), got {x.max_resident_bytes}")
 
 
 def _bind_error(host: str, port: int) -> OSError | None:
@@ -185,6 +159,10 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
         signal.signal(signal.SIGTERM, sigterm)
     _running.update(owns_ray=owns_ray, namespace=config.experts.namespace,
                     signal=create_drain_signal(config.experts.namespace))
+    if owns_ray:  # after the update: a failed check stops the Ray it started
+        import ray
+
+        check_fits_this_machine(config, ray.cluster_resources())
     try:
         serve.start(proxy_location=config.http.proxy_location,
                     http_options={"host": config.http.host, "port": config.http.port})

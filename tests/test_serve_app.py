@@ -7,9 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 import serve_app
+from actors.config import ServeConfig
 
 
 def test_help_shows_the_default_config(capsys):
@@ -161,6 +163,7 @@ def test_a_deployment_that_fails_is_a_clear_startup_error(monkeypatch, capsys):
     monkeypatch.setattr(serve, "start", lambda **_: None)
     monkeypatch.setattr(serve, "run", failed)
     monkeypatch.setattr(serve_app, "stop", lambda *_: None)
+    monkeypatch.setattr(serve_app, "_running", {})  # what the start records, left to this test
     assert serve_app.main(["--config", "configs/embedded.yaml"]) == 2
     err = capsys.readouterr().err
     assert "cannot start: the application did not deploy (Deploying application specmoe failed: " in err
@@ -291,3 +294,18 @@ def test_embedded_start_ignores_a_stale_ray_current_cluster(monkeypatch):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "started True True" in done.stdout
+
+
+def test_an_actor_larger_than_the_embedded_machine_is_a_startup_error():
+    """Was a start that hung, Serve logging an unplaceable replica every 30 s."""
+    from actors.startup_checks import StartupError, check_fits_this_machine
+    from engine.yaml_config import load_yaml
+
+    config = load_yaml("configs/embedded.yaml", ServeConfig)
+    check_fits_this_machine(config, {"CPU": 2.0})  # the embedded config fits 2 cores
+    too_big = msgspec.structs.replace(config, verifier=msgspec.structs.replace(config.verifier, num_cpus=64))
+    with pytest.raises(StartupError, match=r"verifier.num_cpus = 64, but this machine's Ray has 2 CPUs"):
+        check_fits_this_machine(too_big, {"CPU": 2.0})
+    gpu = msgspec.structs.replace(config, experts=msgspec.structs.replace(config.experts, num_gpus=1))
+    with pytest.raises(StartupError, match=r"experts.num_gpus = 1, but this machine's Ray has 0 GPUs"):
+        check_fits_this_machine(gpu, {"CPU": 2.0})
