@@ -151,6 +151,7 @@ def format_sweep(runs: Sequence[BenchmarkRun], failures: Sequence[SweepFailure])
     header = [
         "config",
         "conc",
+        "req/s in",
         "ok",
         "fail",
         "req/s",
@@ -171,6 +172,7 @@ def format_sweep(runs: Sequence[BenchmarkRun], failures: Sequence[SweepFailure])
             [
                 run.label,
                 str(run.shape.concurrency),
+                _rate(run.shape.request_rate_per_s),
                 str(m.completed),
                 str(m.failed),
                 fmt(m.request_throughput_per_s),
@@ -216,7 +218,7 @@ def format_goodput_sweep(runs: Sequence[BenchmarkRun]) -> str:
                 [
                     run.label,
                     str(run.shape.concurrency),
-                    NA if rate is None else f"{rate:g}",
+                    _rate(rate),
                     fmt(g.goodput_req_per_s),
                     c.name,
                     str(c.requests),
@@ -236,11 +238,12 @@ def format_ratios(rows: Sequence[BaselineRatios], baseline: str) -> str:
     """Ratios against the baseline (value / baseline; > 1 means more throughput or more latency)."""
     if not rows:
         return f"No ratios: no run of baseline configuration {baseline!r}."
-    header = ["config", "conc", "out tok/s", "ITL p50", "ITL p99", "TPOT p50", "TPOT p99"]
+    header = ["config", "conc", "req/s in", "out tok/s", "ITL p50", "ITL p99", "TPOT p50", "TPOT p99"]
     body = [
         [
             r.name,
             str(r.concurrency),
+            _rate(r.request_rate_per_s),
             fmt(r.output_throughput, digits=3),
             fmt(r.itl_p50, digits=3),
             fmt(r.itl_p99, digits=3),
@@ -287,3 +290,8 @@ def sweep_to_dict(
         "ratios_vs_baseline": _jsonable(list(ratios)),
         "acceptance_by_config": _jsonable(acceptance),
     }
+
+
+def _rate(rate_per_s: float | None) -> str:
+    """A load point's offered request rate (req/s), or n/a for a fixed-concurrency run."""
+    return NA if rate_per_s is None else f"{rate_per_s:g}"

@@ -209,3 +209,8 @@ def test_cli_goodput_sweep_over_request_rates(stub, tmp_path, capsys):
         "Goodput (req/s) and SLO attainment per class" in printed
         and "class chat (TTFT<=50 ms)" in printed
     )
+    # Each load point's rows carry its offered rate (two lines per configuration looked the same).
+    for table in ("Sweep results", "Ratios vs baseline"):
+        header, *rows = printed.split(table, 1)[1].splitlines()[1:4]
+        assert header.split()[:4] == ["config", "conc", "req/s", "in"], table
+        assert [row.split()[2] for row in rows if row.startswith("stub")] == ["20", "40"], table
