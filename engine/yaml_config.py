@@ -32,6 +32,13 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         return super().construct_mapping(node, deep)
 
 
+# YAML 1.2 (and JSON) read 5e3 and 1e-3 as numbers; PyYAML's YAML 1.1 rules want a dot (5.0e+3)
+# and read them as strings, so `ttft_ms: 5e3` was "Expected `float | null`, got `str`".
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"))
+
+
 def load_yaml(path: str | Path, schema: type[T]) -> T:
     """Read ``path`` as ``schema`` (a msgspec Struct with ``forbid_unknown_fields``).
 

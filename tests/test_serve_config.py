@@ -267,3 +267,15 @@ def test_deployment_options_carry_the_health_checks_to_serve():
     assert (opts["health_check_period_s"], opts["health_check_timeout_s"]) == (3.0, 7.0)
     default = _options(DeploymentConfig())
     assert (default["health_check_period_s"], default["health_check_timeout_s"]) == (2.0, 5.0)
+
+
+def test_exponent_numbers_read_as_numbers(tmp_path):
+    """YAML 1.2's 5e3 (PyYAML's YAML 1.1 read it as a string: "Expected `float | null`, got `str`")."""
+    from engine.yaml_config import load_yaml
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name: m\nengine:\n  model: x\n  scheduler:\n    slo_classes:\n"
+                   "      fast: {ttft_ms: 5e3, tpot_ms: 2.5E1}\nexperts:\n  call_timeout_s: 1e1\n")
+    config = load_yaml(cfg, ServeConfig)
+    fast = config.engine.scheduler.slo_classes["fast"]
+    assert (fast.ttft_ms, fast.tpot_ms, config.experts.call_timeout_s) == (5000.0, 25.0, 10.0)
