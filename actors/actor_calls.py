@@ -27,6 +27,9 @@ from actors.replica_choice import choose
 from actors.wire import from_wire, to_wire
 
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+# Longest wait for a re-created actor's first answer (its process start and weight load: 2-5 s on
+# the 2-core VM, longer when loaded), where experts.call_timeout_s is below it.
+FRESH_ACTOR_START_S = 30.0
 
 
 class ExpertCallFailed(RuntimeError):
@@ -104,7 +107,11 @@ class ActorCalls:
         """Wait for each call as it arrives (so each gets its own latency), hedging the ones past
         their deadline; return the calls to retry (every attempt failed or timed out)."""
         retry: list[Call] = []
-        deadline = time.monotonic() + self.timeout_s
+        # A re-created actor's first call also waits for its start (process, weights): under
+        # call_timeout_s alone a loaded machine's slow start was a timeout, a kill and a re-creation
+        # again, each attempt's actor killed while it started, until the call failed.
+        deadline = time.monotonic() + max(
+            max(self.timeout_s, FRESH_ACTOR_START_S) if a.replica.fresh else self.timeout_s for a in inflight.values())
         pending = list(inflight)
         while pending:
             self._hedge_due(layer, inflight, pending)

@@ -98,4 +98,5 @@ def record_answer(rec: CallRecord, replica: Replica, timing: dict, sent_s: float
     rec.timing, rec.replica = timing, replica.name
     own_ms = max(0.0, (rec.done_s - (rec.sent_s if sent_s is None else sent_s)) * 1e3)
     replica.observe_latency(own_ms)
+    replica.fresh = False
     return own_ms

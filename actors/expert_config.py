@@ -88,7 +88,8 @@ class ExpertPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
             dominates (see docs).
         replicas: actors per expert group (hot experts may get more via ``hot_expert_replicas``).
         hot_expert_replicas: extra replicas for named groups: ``{group_index: replicas}``.
-        call_timeout_s: per-call timeout; a slower call is retried on another replica.
+        call_timeout_s: per-call timeout; a slower call is retried on another replica (a re-created
+            actor's first call waits at least ``actors.actor_calls.FRESH_ACTOR_START_S``, its start).
         max_attempts: tries per expert group before the step fails.
         num_gpus: GPU fraction each actor asks for (0 on CPU, where actors reserve no CPU and run
             torch with ``torch_threads`` threads).

@@ -43,7 +43,8 @@ class Replica:
     replica whose actor also holds this group's experts).
 
     ``ready``: a guest takes rows only once its host has loaded the experts; ``inflight``: calls of
-    this replica not yet answered or reaped (a draining guest is dropped from its host at zero).
+    this replica not yet answered or reaped (a draining guest is dropped from its host at zero);
+    ``fresh``: a re-created actor that has not answered yet (its first call waits for its start).
     """
 
     group: int
@@ -56,6 +57,7 @@ class Replica:
     host: Replica | None = None
     ready: bool = True
     inflight: int = 0
+    fresh: bool = False
 
     @property
     def outstanding_rows(self) -> int:
@@ -166,6 +168,7 @@ class ExpertPool:
             guest.alive = False
             self.replicas[guest.group].remove(guest)
         fresh = self._make(dead.group, dead.index, dead.generation + 1)
+        fresh.fresh = True
         self.replicas[dead.group][dead.index] = fresh
         self.version += 1
         return fresh

@@ -66,6 +66,22 @@ def test_a_hung_sole_replica_is_recreated_and_the_retry_gives_the_same_rows(fake
     assert [(r.generation, r.alive) for r in pool.replicas[0]] == [(0, True)]  # the healthy group untouched
 
 
+def test_a_recreated_actors_first_call_waits_for_its_start(fake_ray):
+    # The fresh actor answers 0.8 s after the call, past the 0.5 s call timeout (a start on a
+    # loaded machine): it is waited for, not killed and re-created again.
+    pool = _pool(behaviour=lambda g, i, gen: "hung" if (g, gen) == (1, 0) else 0.8 if g == 1 else "ok")
+    router = ExpertRouter(pool, torch.float32)
+    rows, weights, counts = _rows(torch.float32)
+    out = router.run_layer(LAYER, rows, weights, counts)
+    torch.testing.assert_close(out, _expected(rows, weights, counts, torch.float32), rtol=0, atol=0)
+    assert fake_ray.timeouts == 1 and router.actor_calls.num_retries == 1  # only the hung generation's
+    assert [(r.generation, r.alive, r.fresh) for r in pool.replicas[1]] == [(1, True, False)]
+    # Once it has answered it is held to the call timeout again.
+    fresh = pool.replicas[1][0]
+    router.run_layer(LAYER, rows, weights, counts)
+    assert pool.replicas[1][0] is not fresh and fake_ray.timeouts == 2
+
+
 def test_every_attempt_failing_raises_expert_call_failed_after_max_attempts(fake_ray):
     pool = _pool(behaviour=lambda g, i, gen: "dead" if g == 0 else "ok", max_attempts=3)
     router = ExpertRouter(pool, torch.float32)

@@ -117,9 +117,9 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
 def test_a_hung_actor_under_the_graph_is_replaced_without_waiting_for_actor_calls(served):
     # The graph's execution times out once; the member that then answers no no-op is re-created
     # before the layer's actor calls go out, so none of them times out on it (before: the
-    # fallback's call to the stopped actor waited call_timeout_s again). The default timeout:
-    # the fresh actor's first call includes its start on a loaded machine.
-    config = ExpertPoolConfig(experts_per_actor=3)
+    # fallback's call to the stopped actor waited call_timeout_s again). The fresh actor's first
+    # call also waits for its start, which a loaded machine can make longer than 2 s.
+    config = ExpertPoolConfig(experts_per_actor=3, call_timeout_s=2.0)
     pool = ExpertPool(TARGET, 8, config, prefix=f"test-hung-{os.getpid()}", detached=False)
     pool.start()
     pool.wait_loaded(120)

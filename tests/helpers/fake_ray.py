@@ -142,7 +142,10 @@ class FakePool(ExpertPool):
     def _make(self, group: int, index: int, generation: int) -> Replica:
         worker = expert_actor.ExpertWorker(self.checkpoint, self.groups[group], self.dtype,
                                            offload=self.config.offload_settings())
-        handle = FakeActor(worker, self.behaviour(group, index, generation))
+        behaviour = self.behaviour(group, index, generation)
+        handle = FakeActor(worker, "ok" if isinstance(behaviour, float) else behaviour)
+        if isinstance(behaviour, float):  # "ok", answering this many seconds after each call
+            handle.delay_s = behaviour
         return Replica(group, index, generation, f"g{group}-r{index}-v{generation}", handle)
 
 
