@@ -184,6 +184,8 @@ class ExpertPool:
         stuck in its forward but otherwise alive still costs the actor calls' timeout."""
         actors = {id(r): r for r in (r.host or r for r in replicas) if r.alive}
         refs = {r.handle.__ray_ready__.remote(): r for r in actors.values()}
+        if not refs:
+            return []
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         hung = [refs[ref] for ref in pending]
         for r in hung:
