@@ -111,7 +111,7 @@ def format_run(run: BenchmarkRun) -> str:
     rows = [
         f"{' Serving benchmark: ' + run.label + ' ':=^{WIDTH}}",
         _row("Base URL", run.base_url),
-        _row("Endpoint / load", f"{run.options.endpoint}, {shape_text(run)}"),
+        _row("Endpoint / load", f"{' + '.join(run.endpoints) or run.options.endpoint}, {shape_text(run)}"),
         _row("Successful requests", str(m.completed)),
         _row("Failed requests", str(m.failed)),
     ]

@@ -42,6 +42,7 @@ class BenchmarkRun:
     not_sent: int
     warmup_failed: int
     goodput: GoodputMetrics | None = None  # per-class reports; goodput itself only with SLOs
+    endpoints: tuple[str, ...] = ()  # the endpoints the prompts went to (a dataset row may name its own)
 
 
 @contextlib.contextmanager
@@ -113,4 +114,5 @@ async def run_benchmark(
         not_sent=load.not_sent,
         warmup_failed=warmup_failed,
         goodput=compute_goodput(load.results, load.duration_s, slos or SloConfig()),
+        endpoints=tuple(sorted({p.endpoint or options.endpoint for p in prompts})),
     )

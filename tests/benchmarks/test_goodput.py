@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -166,7 +167,9 @@ def test_row_fields_in_the_request_body():
 def test_cli_goodput_sweep_over_request_rates(stub, tmp_path, capsys):
     data = tmp_path / "mix.jsonl"
     rows = [("alpha", "chat"), ("beta", "completion"), ("gamma", "completion"), ("delta", "chat")]
-    data.write_text("".join(json.dumps({"id": k, "prompt": k, "slo_class": c}) + "\n" for k, c in rows))
+    # Chat rows name their own endpoint, as the bundled production mix's do.
+    data.write_text("".join(json.dumps({"id": k, "prompt": k, "slo_class": c, **({"endpoint": "chat"} if c == "chat" else {})})
+                            + "\n" for k, c in rows))
     slo_file = tmp_path / "slo.yaml"
     # The stub never sends a first token before 100 ms (TTFT_MS), so no chat request can meet 50 ms
     # however the machine's load shifts its chunks. (A TPOT budget cannot be relied on to fail: a
@@ -209,6 +212,7 @@ def test_cli_goodput_sweep_over_request_rates(stub, tmp_path, capsys):
         "Goodput (req/s) and SLO attainment per class" in printed
         and "class chat (TTFT<=50 ms)" in printed
     )
+    assert re.search(r"Endpoint / load:\s+chat \+ completions, Poisson \[completion: 0.5\] 20 req/s", printed)
     # Each load point's rows carry its offered rate (two lines per configuration looked the same).
     for table in ("Sweep results", "Ratios vs baseline"):
         header, *rows = printed.split(table, 1)[1].splitlines()[1:4]
