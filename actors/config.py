@@ -16,13 +16,22 @@ from observability.tracing import TracingConfig
 class DraftActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Resources of each verifier replica's draft actor (``draft`` in the serve config). There is
     no replica count: the draft actor is part of its verifier's serving unit, one per verifier
-    replica, so ``verifier.num_replicas`` scales both."""
+    replica, so ``verifier.num_replicas`` scales both.
+
+    Attributes:
+        call_timeout_s: longest wait for one proposal (a draft call takes milliseconds, a long
+            prompt's catch-up tens); past it the step runs without speculation and the actor is
+            re-created. A (re-)started actor's first call may take up to 30 s (its warm-up), and
+            until a re-created actor is up steps run without speculation.
+    """
 
     num_cpus: float = 0.0
     num_gpus: float = 0.0
+    call_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         check_actor_resources({}, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+        require_finite("draft.call_timeout_s", self.call_timeout_s, 0)
 
 
 class DeploymentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

@@ -18,10 +18,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import ray
 import torch
 
+from actors.actor_calls import FRESH_ACTOR_START_S
 from actors.compiled_graph import ActorGraph
 from actors.graph_park import GraphParking
 from actors.teardown import kill_actor
@@ -202,12 +204,14 @@ class RemoteDrafter:
 
     The hop is a compiled-graph execution when ``graph`` is set and the graph is live, else a plain
     actor call, made and awaited on the engine thread itself (no event-loop hop). A failed or slow
-    draft call never fails a request: that step just runs without speculation; a dead actor is
-    re-created (its cache re-prefills on the next proposals).
+    draft call never fails a request: that step just runs without speculation; a dead or hung
+    actor is re-created (its cache re-prefills on the next proposals), and until the new one is
+    constructed steps run without speculation instead of waiting for it.
 
     Args:
         spec: the draft actor to create.
-        timeout_s: longest wait for one proposal call.
+        timeout_s: longest wait for one proposal call (an actor's first call: at least
+            ``FRESH_ACTOR_START_S``, its warm-up), also each draft graph execution's.
         graph_config: an ``ExpertPoolConfig`` whose graph settings the draft graph uses (see
             :meth:`ActorGraph.from_config`); None: plain actor calls only.
     """
@@ -220,6 +224,10 @@ class RemoteDrafter:
         self.num_failures = 0
         self.generation = 0
         self.member = _Member(self._make())
+        self._starting = None  # a re-created actor's __ray_ready__ ref, until it is constructed
+        self._answered = False  # the current actor has answered a proposal
+        if graph_config is not None:
+            graph_config = msgspec.structs.replace(graph_config, call_timeout_s=timeout_s)
         self.graph = ActorGraph.from_config("draft", lambda: ([self.member], "propose_graph"), lambda n: None,
                                             graph_config) if graph_config is not None else None
 
@@ -251,6 +259,8 @@ class RemoteDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         from observability import inject_context, is_enabled
 
+        if not self.up():  # a re-created actor still starting: no speculation this step, no wait
+            return [DraftProposal([]) for _ in requests]
         release, self._released = self._released, []
         carrier = inject_context() if is_enabled() else None  # the draft.propose span, this thread
         try:
@@ -276,16 +286,42 @@ class RemoteDrafter:
         return out
 
     def _call(self, request: tuple) -> list[dict]:
-        # No live graph (building, torn down, failed): execute says so and this step uses a plain call.
-        result = self.graph.execute(request) if self.graph is not None else None
+        # No live graph (building, torn down, replaced): this step uses a plain call.
+        execution = self.graph.submit(request) if self.graph is not None else None
+        result = self.graph.wait(execution) if execution is not None else None
         if result is not None:
+            self._answered = True
             return result[0]
-        return ray.get(self.member.handle.propose.remote(*request), timeout=self.timeout_s)
+        if execution is not None and execution.timed_out:  # not the same wait again on a plain call
+            raise ray.exceptions.GetTimeoutError(f"draft graph execution past {self.timeout_s:g} s")
+        timeout_s = self.timeout_s if self._answered else max(self.timeout_s, FRESH_ACTOR_START_S)
+        wire = ray.get(self.member.handle.propose.remote(*request), timeout=timeout_s)
+        self._answered = True
+        return wire
+
+    def up(self) -> bool:
+        """Whether the actor can take a proposal now: a re-created one once constructed (checked
+        without waiting); one whose construction failed is re-created again."""
+        if self._starting is None:
+            return True
+        ready, _ = ray.wait([self._starting], timeout=0)
+        if not ready:
+            return False
+        self._starting = None
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as e:
+            log.warning("re-created draft actor failed to start (%s); re-creating it", type(e).__name__)
+            self._recreate()
+            return False
+        return True
 
     def _recreate(self) -> None:
         kill_actor(self.member.handle)  # a hung actor keeps its model otherwise
         self.generation += 1
         self.member = _Member(self._make())
+        self._starting, self._answered = self.member.handle.__ray_ready__.remote(), False
+        self._released.clear()  # the new actor holds no cache to release
 
     def release(self, seq_id: str) -> None:
         """Forget ``seq_id``'s draft cache: sent with the next proposal call, or on its own once
@@ -294,6 +330,8 @@ class RemoteDrafter:
         self._shipped.pop(seq_id, None)
         if len(self._released) >= MAX_PENDING_RELEASES:
             release, self._released = self._released, []
+            if not self.up():  # a re-created actor holds none of them (no proposal since)
+                return
             try:
                 self._call(([], release, None))  # an empty proposal: the same hop, in order
             except Exception as e:  # the actor forgets everything if it died anyway

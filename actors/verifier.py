@@ -160,7 +160,7 @@ class VerifierServer:
                                   e.pipelined_drafting)
             # A head whose tensors do not load is refused at start-up (_build_loaded waits for it).
             graph = x if self.config.draft_transport == "compiled_graph" else None
-            drafter = RemoteDrafter(spec, x.call_timeout_s, graph_config=graph)
+            drafter = RemoteDrafter(spec, self.config.draft.call_timeout_s, graph_config=graph)
         elif e.speculative_method == "ngram":
             drafter = NgramDrafter(e.ngram_min_n, e.ngram_max_n)
         else:

@@ -4,6 +4,8 @@ re-created; an error raised inside a healthy actor costs the step but keeps the 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -25,7 +27,11 @@ class FakeDrafter(RemoteDrafter):
 
     def _make(self):
         behaviour = self.behaviours[min(self.generation, len(self.behaviours) - 1)]
-        return FakeActor(DraftServer(DRAFT, max_seqs=4, pipelined=self.spec.pipelined), behaviour)
+        handle = FakeActor(DraftServer(DRAFT, max_seqs=4, pipelined=self.spec.pipelined),
+                           "ok" if isinstance(behaviour, float) else behaviour)
+        if isinstance(behaviour, float):  # "ok", but constructed and answering this many seconds late
+            handle.delay_s = behaviour
+        return handle
 
 
 @pytest.fixture
@@ -59,6 +65,22 @@ def test_a_timed_out_or_dead_draft_actor_costs_one_step_and_is_recreated(fake_ra
     recovered = drafter.propose(_requests())
     assert [p.token_ids for p in recovered] == [p.token_ids for p in expected]
     torch.testing.assert_close(recovered[1].probs, expected[1].probs, rtol=0, atol=0)
+
+
+def test_a_recreated_draft_actor_is_not_waited_for_while_it_starts(fake_ray):
+    # Before: the next step called the starting actor at once and waited for its start (a killed
+    # draft stalled every request 3-4 s), and a start longer than the timeout was a timeout, a
+    # kill and another re-creation.
+    expected = DraftModelDrafter(load_model(DRAFT, "float32", "cpu"), 4, None).propose(_requests())
+    drafter = _drafter(["dead", 0.4])  # the re-created actor takes 0.4 s to start, past the 0.25 s timeout
+    assert [p.token_ids for p in drafter.propose(_requests())] == [[], []]
+    started = time.monotonic()
+    assert [p.token_ids for p in drafter.propose(_requests())] == [[], []]  # still starting: no speculation
+    assert time.monotonic() - started < 0.2 and [c[0] for c in drafter.member.handle.calls] == ["__ray_ready__"]
+    time.sleep(0.45)
+    recovered = drafter.propose(_requests())  # its first call may take its warm-up: not a timeout
+    assert [p.token_ids for p in recovered] == [p.token_ids for p in expected]
+    assert (drafter.num_failures, drafter.generation) == (1, 1)
 
 
 def test_an_error_inside_a_live_actor_keeps_the_actor(fake_ray):

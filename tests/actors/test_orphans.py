@@ -1,11 +1,19 @@
 """Replaced actors are killed, not left holding their weights (and GPU share): a hung or dead
 expert actor's replacement kills it, and so does a draft actor's (Ray-free: actor classes faked)."""
 
+from types import SimpleNamespace
+
 import actors.draft_server as draft_server
 import actors.expert_pool as expert_pool
 from actors.draft_server import DraftActorSpec, RemoteDrafter
 from actors.expert_config import ExpertPoolConfig
 from actors.expert_pool import ExpertPool
+
+
+class _Handle(dict):
+    """A created actor's options; ``__ray_ready__.remote()`` as a re-created draft actor is asked."""
+
+    __ray_ready__ = SimpleNamespace(remote=lambda: "ready-ref")
 
 
 class _FakeActorClass:
@@ -18,7 +26,7 @@ class _FakeActorClass:
         return type("Bound", (), {"remote": lambda _, *args, **kwargs: self._new(options)})()
 
     def _new(self, options: dict) -> dict:
-        handle = {"name": options["name"], "options": options}
+        handle = _Handle(name=options["name"], options=options)
         self.created.append(handle)
         return handle
 

@@ -42,6 +42,7 @@ def test_remote_drafter_equals_in_process_and_survives_a_dead_actor(served, grap
         kill_and_wait(drafter.member.handle)
         assert [p.token_ids for p in drafter.propose(reqs())] == [[], [], [], []]  # this step: no speculation
         assert drafter.num_failures == 1 and drafter.generation == 1
+        wait_until(drafter.up, 120, "the re-created draft actor")  # until then steps draft nothing, no wait
         assert [p.token_ids for p in drafter.propose(reqs())] == [p.token_ids for p in expected]
     finally:
         drafter.close()

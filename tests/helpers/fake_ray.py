@@ -52,7 +52,7 @@ class _Method:
                 raise ray.exceptions.RayActorError()
             return FakeRef(died)
         if self.name == "__ray_ready__":  # Ray adds it to every actor class: True once constructed
-            return FakeRef(lambda: True)
+            return FakeRef(lambda: True, ready_at_s=time.monotonic() + actor.delay_s)  # a slow one starts late
         if not actor.delay_s:  # an idle actor computes at once (so its timings are its own)
             try:
                 value = getattr(actor.target, self.name)(*args)
@@ -113,9 +113,12 @@ class FakeRay:
     def get(self, ref: FakeRef | list[FakeRef], timeout: float | None = None):
         if isinstance(ref, list):
             return [self.get(r, timeout) for r in ref]
-        if ref.hung:
+        wait_s = ref.ready_at_s - time.monotonic()
+        if ref.hung or (timeout is not None and wait_s > timeout):
+            time.sleep(0.0 if ref.hung else max(0.0, timeout))
             self.timeouts += 1
             raise ray.exceptions.GetTimeoutError(f"timed out after {timeout} s")
+        time.sleep(max(0.0, wait_s))
         return ref.compute()
 
 
