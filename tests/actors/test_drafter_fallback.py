@@ -14,7 +14,7 @@ from actors.draft_server import DraftActorSpec, DraftServer, RemoteDrafter
 from engine.drafters.base import DraftRequest
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.loader import load_model
-from tests.helpers.fake_ray import FakeActor, FakeRay
+from tests.helpers.fake_ray import FakeRay, fake_actor
 
 DRAFT = "checkpoints/stdlib-draft"
 
@@ -27,11 +27,7 @@ class FakeDrafter(RemoteDrafter):
 
     def _make(self):
         behaviour = self.behaviours[min(self.generation, len(self.behaviours) - 1)]
-        handle = FakeActor(DraftServer(DRAFT, max_seqs=4, pipelined=self.spec.pipelined),
-                           "ok" if isinstance(behaviour, float) else behaviour)
-        if isinstance(behaviour, float):  # "ok", but constructed and answering this many seconds late
-            handle.delay_s = behaviour
-        return handle
+        return fake_actor(DraftServer(DRAFT, max_seqs=4, pipelined=self.spec.pipelined), behaviour)
 
 
 @pytest.fixture

@@ -85,6 +85,16 @@ class FakeActor:
         return _Method(self, name)
 
 
+def fake_actor(target: Any, behaviour: str | float) -> FakeActor:
+    """A :class:`FakeActor`; a float ``behaviour`` is "ok", constructed and answering each call
+    that many seconds late (a slow start, a straggler)."""
+    if isinstance(behaviour, float):
+        handle = FakeActor(target, "ok")
+        handle.delay_s = behaviour
+        return handle
+    return FakeActor(target, behaviour)
+
+
 class FakeRay:
     """The ``ray`` functions the router/drafter use, over :class:`FakeRef`; counts ``wait`` timeouts
     and keeps the cancelled refs."""
@@ -145,10 +155,7 @@ class FakePool(ExpertPool):
     def _make(self, group: int, index: int, generation: int) -> Replica:
         worker = expert_actor.ExpertWorker(self.checkpoint, self.groups[group], self.dtype,
                                            offload=self.config.offload_settings())
-        behaviour = self.behaviour(group, index, generation)
-        handle = FakeActor(worker, "ok" if isinstance(behaviour, float) else behaviour)
-        if isinstance(behaviour, float):  # "ok", answering this many seconds after each call
-            handle.delay_s = behaviour
+        handle = fake_actor(worker, self.behaviour(group, index, generation))
         return Replica(group, index, generation, f"g{group}-r{index}-v{generation}", handle)
 
 
