@@ -20,6 +20,7 @@ from engine.errors import ConfigError
     ("experts:\n  call_timeout_s: .inf\n", "experts.call_timeout_s must be > 0 and finite, got inf - at `$.experts`"),
     ("verifier_start_timeout_s: .inf\n", "verifier_start_timeout_s must be > 0 and finite, got inf"),
     ("verifier:\n  graceful_shutdown_timeout_s: .inf\n", "graceful_shutdown_timeout_s must be >= 0 and finite, got inf"),
+    ("draft:\n  call_timeout_s: 0\n", "draft.call_timeout_s must be > 0 and finite, got 0.0 - at `$.draft`"),
     # Accepted, then every verifier replica failed in its straggler detector.
     ("experts:\n  straggler_multiple: .nan\n", "experts.straggler_multiple must be >= 1 and finite, got nan"),
     ("experts:\n  straggler_floor_ms: -5\n", "experts.straggler_floor_ms must be >= 0 and finite, got -5.0"),
