@@ -110,8 +110,8 @@ class ActorCalls:
         # A re-created actor's first call also waits for its start (process, weights): under
         # call_timeout_s alone a loaded machine's slow start was a timeout, a kill and a re-creation
         # again, each attempt's actor killed while it started, until the call failed.
-        deadline = time.monotonic() + max(
-            max(self.timeout_s, FRESH_ACTOR_START_S) if a.replica.fresh else self.timeout_s for a in inflight.values())
+        fresh = any(a.replica.fresh for a in inflight.values())
+        deadline = time.monotonic() + (max(self.timeout_s, FRESH_ACTOR_START_S) if fresh else self.timeout_s)
         pending = list(inflight)
         while pending:
             self._hedge_due(layer, inflight, pending)

@@ -138,18 +138,6 @@ class ActorGraph:
         self.stats.oversize += 1
         return False
 
-    def execute(self, request: tuple) -> list | None:
-        """Run one layer through the graph; None when no graph is live (the caller uses actor calls).
-
-        Args:
-            request: what every actor's method receives (each picks its own part by index).
-
-        Returns:
-            One result per actor, or None. Starts a background build when no graph is live; a
-            failed execution tears the graph down and returns None.
-        """
-        return self.wait(self.submit(request))
-
     def wake(self) -> None:
         """Wake the graph now if it is parked (~5 ms, more on a busy machine), so a caller that
         times its executions starts the clock after it; a member that died while parked makes

@@ -260,7 +260,7 @@ def test_each_graph_keeps_one_driver_proxy_actor_across_rebuilds(served):
         graphs[0].rebuild()
         wait_until(lambda: graphs[0].live, 120, "the rebuilt graph")
         assert graphs[0].stats.builds == 2 and proxy_pid(graphs[0]) == first[0]
-        assert graphs[0].execute(("a",)) == ["a"] and graphs[1].execute(("b",)) == ["b"]
+        assert graphs[0].wait(graphs[0].submit(("a",))) == ["a"] and graphs[1].wait(graphs[1].submit(("b",))) == ["b"]
     finally:
         for g in graphs:
             g.close()
