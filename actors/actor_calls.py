@@ -100,7 +100,7 @@ class ActorCalls:
         """The replica of ``group`` with the least expected completion (a retry, or no plan)."""
         alive = self.pool.alive(group)
         if not alive:
-            return self.pool.recreate(self.pool.replicas[group][0])
+            return self.pool.recreate(self.pool.replicas[group][0], f"group {group} has no live replica")
         return choose(alive, 1, self.pool.config, {})[0]
 
     def _collect(self, layer: int, inflight: dict, results: dict) -> list[Call]:
@@ -191,7 +191,13 @@ class ActorCalls:
         """One attempt of a hedged call failed while its twin is still in flight."""
         c.record.errors.append(f"{replica.name}: {reason}")
         self.losers.forget(replica)
-        self.pool.recreate(replica)
+        self.pool.recreate(replica, self._why(c, reason))
+
+    def _why(self, c: Call, reason: str) -> str:
+        """What an operator reads in the re-creation warning."""
+        if reason == "timeout":
+            reason = f"no answer in call_timeout_s = {self.timeout_s:g} s"
+        return f"{reason} in a call of layer {c.record.layer}"
 
     def _failed(self, c: Call, replica: Replica, reason: str, dead: bool) -> None:
         c.record.errors.append(f"{replica.name}: {reason}")
@@ -199,4 +205,4 @@ class ActorCalls:
         self.num_retries += 1
         if dead:
             self.losers.forget(replica)
-            self.pool.recreate(replica)
+            self.pool.recreate(replica, self._why(c, reason))

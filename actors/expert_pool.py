@@ -151,18 +151,19 @@ class ExpertPool:
         """The replicas of ``group`` that may take rows (alive; guests: loaded, not draining)."""
         return [r for r in self.replicas[group] if r.alive and r.ready]
 
-    def recreate(self, dead: Replica) -> Replica:
-        """Replace a dead replica with the next generation (shared by name across verifiers).
+    def recreate(self, dead: Replica, reason: str) -> Replica:
+        """Replace a dead replica with the next generation (shared by name across verifiers);
+        ``reason`` (what showed it dead or hung) goes into the warning an operator sees.
 
         A guest dies with its host: the host is re-created and every guest it held is removed (the
         fresh actor holds only its own group; the rebalancer may place them again)."""
         if dead.host is not None:
-            return self.recreate(dead.host)
+            return self.recreate(dead.host, f"{reason} (guest of group {dead.group})")
         dead.alive = False
         current = self.replicas[dead.group][dead.index]
         if current is not dead and current.alive:
             return current  # another coroutine already replaced it
-        log.warning("expert actor %s is gone or hung; re-creating it", dead.name)
+        log.warning("expert actor %s is gone or hung (%s); re-creating it", dead.name, reason)
         kill_actor(dead.handle)  # a hung actor would otherwise keep its weights (and GPU share) forever
         for guest in [r for r in self.all_replicas() if r.host is dead]:
             guest.alive = False
@@ -189,7 +190,7 @@ class ExpertPool:
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         hung = [refs[ref] for ref in pending]
         for r in hung:
-            self.recreate(r)
+            self.recreate(r, f"a compiled-graph execution timed out and it did not answer a no-op in {timeout_s:g} s")
         return hung
 
     def actors(self) -> list[Replica]:

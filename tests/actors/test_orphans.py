@@ -1,6 +1,7 @@
 """Replaced actors are killed, not left holding their weights (and GPU share): a hung or dead
 expert actor's replacement kills it, and so does a draft actor's (Ray-free: actor classes faked)."""
 
+import logging
 from types import SimpleNamespace
 
 import actors.draft_server as draft_server
@@ -31,7 +32,7 @@ class _FakeActorClass:
         return handle
 
 
-def test_recreating_an_expert_actor_kills_the_old_one_once(monkeypatch):
+def test_recreating_an_expert_actor_kills_the_old_one_once_and_says_why(monkeypatch, caplog):
     killed, actors = [], _FakeActorClass()
     monkeypatch.setattr(expert_pool, "kill_actor", killed.append)
     monkeypatch.setattr(expert_pool, "ExpertActor", actors)
@@ -42,10 +43,13 @@ def test_recreating_an_expert_actor_kills_the_old_one_once(monkeypatch):
     assert actors.created[0]["options"]["resources"] == {"expert_slot": 1}
     assert actors.created[0]["options"]["scheduling_strategy"] == "SPREAD"
     old = pool.replicas[1][0]
-    fresh = pool.recreate(old)
+    with caplog.at_level(logging.WARNING, logger=expert_pool.log.name):
+        fresh = pool.recreate(old, "RayActorError in a call of layer 3")
     assert killed == [old.handle] and not old.alive
+    assert [r.getMessage() for r in caplog.records] == [
+        "expert actor specmoe-experts-t-g1-r0-v0 is gone or hung (RayActorError in a call of layer 3); re-creating it"]
     assert (fresh.name, fresh.generation) == ("specmoe-experts-t-g1-r0-v1", 1)
-    assert pool.recreate(old) is fresh and killed == [old.handle]  # a second caller kills nothing more
+    assert pool.recreate(old, "test") is fresh and killed == [old.handle]  # a second caller kills nothing more
     pool.shutdown()
     assert killed == [old.handle, pool.replicas[0][0].handle, fresh.handle]
 

@@ -51,7 +51,7 @@ def test_a_failed_dispatch_ends_its_spans_with_errors_and_counts_no_tokens(trace
         assert _sample(metrics, "specmoe:expert_tokens_total", layer=str(layer), expert=str(expert)) == 0
 
     pool.behaviour = lambda g, i, gen: "ok"
-    pool.recreate(pool.replicas[1][0])  # a healthy generation now
+    pool.recreate(pool.replicas[1][0], "test")  # a healthy generation now
     router.run_layer(layer, rows, weights, counts)
     assert _sample(metrics, "specmoe:expert_tokens_total", layer=str(layer), expert="2") == 2
     assert _sample(metrics, "specmoe:expert_tokens_total", layer=str(layer), expert="5") == 3
