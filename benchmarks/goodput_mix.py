@@ -20,6 +20,10 @@ rotated order per repeat, so the machine's load affects them alike):
 - ``slo-aware``: chunked prefill, ``scheduling_policy: slo`` with the SLO file's budgets as the
   engine's classes, deadline refusal on.
 - ``... spec-off``: the same with no drafting (k = 0); the others use adaptive speculation, k <= 6.
+
+``--capacity`` first measures each variant's saturated throughput on each repeat's prompts (all
+requests at once, none refused): the offered rate at which the mix keeps the engine busy all the
+time. Each run's line then shows its load, offered rate / that variant's median capacity.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -203,6 +208,26 @@ def calibrate(llm: LLM, prompts: list[Prompt]) -> None:
               f"TPOT p50 {g.tpot.median_s * 1e3:6.1f} p90 {g.tpot.p90_s * 1e3:6.1f} ms")
 
 
+def capacity(llm: LLM, variant: Variant, prompts: list[Prompt]) -> dict[str, float]:
+    """The engine's saturated throughput on ``prompts``: every request arrives at once and none is
+    refused, so the engine runs full batches until the last finishes. Requests, output tokens and
+    prompt tokens per second of the clock: the load (req/s) at which this mix keeps the engine
+    busy all the time, i.e. the rate where the utilisation is 1."""
+    sched = llm.engine.scheduler
+    config = sched.config
+    sched.config = msgspec.structs.replace(config, refuse_unattainable_ttft=False)
+    try:
+        jobs = make_jobs(llm, prompts, [0.0] * len(prompts), variant.slo_aware)
+        results, duration_s = drive(llm, jobs, f"{variant.name}@capacity")
+    finally:
+        sched.config = config
+    if not all(r.success for r in results):
+        raise RuntimeError(f"{variant.name}: a saturated request failed")
+    return {"req_per_s": len(results) / duration_s,
+            "output_tok_per_s": sum(r.output_tokens for r in results) / duration_s,
+            "prompt_tok_per_s": sum(len(j.ids) for j in jobs) / duration_s}
+
+
 def report(runs: list[BenchmarkRun], plot_dir: Path | None) -> None:
     """The goodput table (interleaved runs sorted by rate, then variant) and the figures."""
     runs = sorted(runs, key=lambda r: (r.shape.request_rate_per_s, list(VARIANTS).index(r.label)))
@@ -235,6 +260,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="cpu: the engine thread's CPU time (needs --threads 1); wall: wall-clock time")
     ap.add_argument("--calibrate", action="store_true", help="only measure unloaded latencies per class")
+    ap.add_argument("--capacity", action="store_true",
+                    help="first measure each variant's saturated throughput on each repeat's prompts (every "
+                         "request at once): the rate where utilisation is 1, to set the offered rates against")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--runs-out", type=Path, help="pickle the runs here (to plot runs of several processes together)")
@@ -261,6 +289,14 @@ def main() -> None:
         calibrate(llms[variants[0].name], measured[:30])
         return
     burst = dict((c, float(s)) for c, s in (x.split(":") for x in args.class_burstiness.split(",") if x))
+    capacities: dict[str, list[float]] = {}
+    for rep in range(args.repeats if args.capacity else 0):
+        prompts = sample_prompts(measured, args.num_requests, args.seed + rep)
+        for v in variants:
+            cap = capacity(llms[v.name], v, prompts)
+            capacities.setdefault(v.name, []).append(cap["req_per_s"])
+            print(f"capacity rep {rep} {v.name:<20} {cap['req_per_s']:.2f} req/s  "
+                  f"{cap['output_tok_per_s']:.0f} output tok/s  {cap['prompt_tok_per_s']:.0f} prompt tok/s", flush=True)
     runs: list[BenchmarkRun] = []
     for rate in [float(r) for r in args.rates.split(",")]:
         for rep in range(args.repeats):
@@ -274,13 +310,16 @@ def main() -> None:
                 if args.runs_out:  # after every run: a sweep cut short keeps what it measured
                     args.runs_out.write_bytes(pickle.dumps(runs))
                 g = run.goodput
-                print(f"rate {rate:g} rep {rep} {v.name:<20} attainment {g.slo_attainment:.3f} "
+                cap = capacities.get(v.name)  # offered load over this variant's capacity (utilisation)
+                load = f"load {rate / statistics.median(cap):.2f}  " if cap else ""
+                print(f"rate {rate:g} rep {rep} {v.name:<20} {load}attainment {g.slo_attainment:.3f} "
                       f"goodput {g.goodput_req_per_s:.2f} req/s  failed {run.metrics.failed}  "
                       + "  ".join(f"{c.name} {c.slo_attainment:.2f} (TTFT p50 {ms(c.ttft.median_s)} p99 "
                                   f"{ms(c.ttft.p99_s)}, TPOT p50 {ms(c.tpot.median_s)} p99 {ms(c.tpot.p99_s)})"
                                   for c in g.classes), flush=True)
     report(runs, args.plot)
     save_json(args.save_result, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+                                 "capacity_req_per_s": capacities,
                                  "slos": json.loads(args.slo_file.read_text()) if args.slo_file.suffix == ".json"
                                  else str(args.slo_file), "runs": [run_to_dict(r, False) for r in runs]})
 
