@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -46,6 +47,9 @@ class ExpertWorker(GraphParking):
         self.guests: dict[tuple[int, ...], tuple] = {}  # key -> (ExpertStore, refcount)
         self.delay_s = 0.0
         self.num_calls = 0
+        # Computations in progress (both concurrency slots may compute): id -> time.monotonic() at start.
+        self._computing: dict[int, float] = {}
+        self._compute_ids = itertools.count()
         self.actor_id = _actor_id()
         self._setup_tracing(tracing)
 
@@ -137,6 +141,24 @@ class ExpertWorker(GraphParking):
     def _compute(self, layer: int, counts: list[int], x, w, start: float, sent_time_s: float,
                  carrier: dict | None, hint: tuple[int, list[int]] | None, encode,
                  experts: list[int] | None = None) -> tuple:
+        key = next(self._compute_ids)
+        self._computing[key] = time.monotonic()
+        try:
+            return self._compute_now(layer, counts, x, w, start, sent_time_s, carrier, hint, encode, experts)
+        finally:
+            del self._computing[key]
+
+    def busy_s(self) -> float:
+        """How long (s) the oldest computation in progress has been running; 0.0 when idle.
+
+        Answered on the actor's second thread, so a caller can tell an actor stuck in its forward
+        (a hung kernel or collective that released the GIL) from one that is slow to be reached."""
+        now = time.monotonic()
+        return now - min(list(self._computing.values()), default=now)  # list(): one atomic copy
+
+    def _compute_now(self, layer: int, counts: list[int], x, w, start: float, sent_time_s: float,
+                     carrier: dict | None, hint: tuple[int, list[int]] | None, encode,
+                     experts: list[int] | None) -> tuple:
         import torch
 
         queue_ms = max(0.0, (start - sent_time_s) * 1e3)

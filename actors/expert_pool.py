@@ -174,24 +174,32 @@ class ExpertPool:
         self.version += 1
         return fresh
 
-    def replace_unresponsive(self, replicas: list[Replica], timeout_s: float) -> list[Replica]:
-        """Re-create every actor among ``replicas`` (a guest's: its host) that does not answer a
-        no-op call within ``timeout_s``; returns the re-created ones (the dead generation).
+    def replace_unresponsive(self, replicas: list[Replica], timeout_s: float, stuck_after_s: float) -> list[Replica]:
+        """Re-create every actor among ``replicas`` (a guest's: its host) that is hung: it does
+        not answer within ``timeout_s`` how long its current computation has run
+        (:meth:`actors.expert_actor.ExpertWorker.busy_s`), or that computation has run
+        ``stuck_after_s`` or more. Returns the re-created ones (the dead generation).
 
         For a compiled-graph execution that timed out: its error does not say which member held it
         up, and a layer's actor calls would otherwise wait ``call_timeout_s`` again on a hung one
-        before re-creating it. The no-op runs on the actor's second thread (``max_concurrency``
-        2), so this finds a process that answers nothing (stopped, frozen, its node gone); one
-        stuck in its forward but otherwise alive still costs the actor calls' timeout."""
+        before re-creating it. The question runs on the actor's second thread (``max_concurrency``
+        2): a process that answers nothing is stopped, frozen or gone; one that answers but has
+        been in one expert computation that long is stuck in it (a kernel or collective that
+        never returns). A re-created actor not yet answered (``fresh``: its first computation
+        may include loading its weights) is judged only by whether it answers."""
         actors = {id(r): r for r in (r.host or r for r in replicas) if r.alive}
-        refs = {r.handle.__ray_ready__.remote(): r for r in actors.values()}
+        refs = {r.handle.busy_s.remote(): r for r in actors.values()}
         if not refs:
             return []
-        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        hung = [refs[ref] for ref in pending]
-        for r in hung:
-            self.recreate(r, f"a compiled-graph execution timed out and it did not answer a no-op in {timeout_s:g} s")
-        return hung
+        done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        hung = [(refs[ref], f"it did not answer in {timeout_s:g} s") for ref in pending]
+        for ref in done:
+            busy_s = _answer(ref)
+            if busy_s is not None and busy_s >= stuck_after_s and not refs[ref].fresh:
+                hung.append((refs[ref], f"it has been in one expert computation for {busy_s:.1f} s"))
+        for r, why in hung:
+            self.recreate(r, f"a compiled-graph execution timed out and {why}")
+        return [r for r, _ in hung]
 
     def actors(self) -> list[Replica]:
         """Every replica with its own actor (no guests), in group then replica order."""
@@ -233,3 +241,12 @@ class ExpertPool:
     def shutdown(self) -> None:
         for r in self.actors():
             kill_actor(r.handle)
+
+
+def _answer(ref: ray.ObjectRef) -> float | None:
+    """A ready ``busy_s`` answer, or None where the actor failed it (a dead actor is the actor
+    calls' to find and re-create, as before)."""
+    try:
+        return float(ray.get(ref, timeout=0))
+    except (ray.exceptions.RayError, TypeError, ValueError):
+        return None

@@ -42,9 +42,13 @@ from engine.model.moe import combine, dispatch
 from kernels.routing import RoutingResult
 
 log = logging.getLogger(__name__)
-# After a graph execution's timeout, how long its members get to answer a no-op before the ones
-# that do not are re-created: an idle actor answers in ~1 ms, a loaded 2-core machine's in tens.
+# After a graph execution's timeout, how long its members get to say how long their current
+# computation has run before the ones that do not are re-created: an idle actor answers in ~1 ms,
+# a loaded 2-core machine's in tens.
 HUNG_PING_TIMEOUT_S = 2.0
+# ... and a member whose current computation has run this share of call_timeout_s is stuck in it
+# (one layer's expert FFN takes milliseconds; the execution already waited the whole timeout).
+STUCK_SHARE_OF_CALL_TIMEOUT = 0.5
 
 
 class ExpertRouter(RouterGraphs):
@@ -148,7 +152,8 @@ class ExpertRouter(RouterGraphs):
             try:
                 results = self._wait_graph(calls, execution) if execution is not None else None
                 if results is None and execution is not None and execution[1].timed_out:
-                    self.pool.replace_unresponsive(members, HUNG_PING_TIMEOUT_S)
+                    self.pool.replace_unresponsive(
+                        members, HUNG_PING_TIMEOUT_S, STUCK_SHARE_OF_CALL_TIMEOUT * self.pool.config.call_timeout_s)
                 if results is not None and self._graph_straggler(members) is not None:
                     # Replaced at once, not once no execution is out: an execution still out
                     # (the other micro-batch's) queues behind the straggler; dropping the graph

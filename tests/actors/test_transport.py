@@ -114,13 +114,35 @@ def test_killing_an_actor_during_graph_forwards_gives_identical_output(graph_rou
     assert router.num_graph_layers == graph_layers + 1 and router.graph.stats.builds == 2
 
 
-def test_a_hung_actor_under_the_graph_is_replaced_without_waiting_for_actor_calls(served):
-    # The graph's execution times out once; the member that then answers no no-op is re-created
-    # before the layer's actor calls go out, so none of them times out on it (before: the
-    # fallback's call to the stopped actor waited call_timeout_s again). The fresh actor's first
-    # call also waits for its start, which a loaded machine can make longer than 2 s.
+@contextmanager
+def _stopped(victim):
+    """The member's process SIGSTOPped: it answers nothing."""
+    pid = ray._private.state.actors(victim.handle._actor_id.hex())["Pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+@contextmanager
+def _stuck_in_forward(victim):
+    """The member stuck inside its expert computation (a hung kernel or collective: the GIL free,
+    so its second thread still answers calls)."""
+    ray.get(victim.handle.set_delay_ms.remote(600_000))
+    yield
+
+
+@pytest.mark.parametrize("hang", [_stopped, _stuck_in_forward], ids=["stopped", "stuck_in_forward"])
+def test_a_hung_actor_under_the_graph_is_replaced_without_waiting_for_actor_calls(served, hang):
+    # The graph's execution times out once; the member that then does not answer how long its
+    # computation has run, or has been in one for half the call timeout, is re-created before the
+    # layer's actor calls go out, so none of them times out on it (before: the fallback's call to
+    # the hung actor waited call_timeout_s again). The fresh actor's first call also waits for its
+    # start, which a loaded machine can make longer than 2 s.
     config = ExpertPoolConfig(experts_per_actor=3, call_timeout_s=2.0)
-    pool = ExpertPool(TARGET, 8, config, prefix=f"test-hung-{os.getpid()}", detached=False)
+    pool = ExpertPool(TARGET, 8, config, prefix=f"test-hung-{hang.__name__}-{os.getpid()}", detached=False)
     pool.start()
     pool.wait_loaded(120)
     router = ExpertRouter(pool, torch.float32, graph=True)
@@ -130,18 +152,13 @@ def test_a_hung_actor_under_the_graph_is_replaced_without_waiting_for_actor_call
         wait_until(lambda: router.graph.live, 120, "the compiled graph", poke=router.graph.request_build)
         victim = router.graph.members[1]
         generations = [r.generation for r in router.graph.members]
-        pid = ray._private.state.actors(victim.handle._actor_id.hex())["Pid"]
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with hang(victim):
             out = router.execute(2, hidden, routing)
-        finally:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
         assert router.graph.stats.failures == 1
-        assert router.actor_calls.num_retries == 0  # no actor call waited on the stopped actor
+        assert router.actor_calls.num_retries == 0  # no actor call waited on the hung actor
         assert [r.generation for r in (pool.replicas[g][0] for g in range(3))] == \
-            [generations[0], generations[1] + 1, generations[2]]  # only the stopped actor re-created
+            [generations[0], generations[1] + 1, generations[2]]  # only the hung actor re-created
     finally:
         router.close()
         pool.shutdown()
