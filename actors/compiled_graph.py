@@ -33,7 +33,7 @@ import ray
 from actors import graph_proxy
 from actors.graph_park import PARK
 from actors.graph_records import Execution, GraphStats
-from actors.teardown import teardown_graph, teardown_graph_in_background
+from actors.teardown import quiet_dead_member_teardown, teardown_graph, teardown_graph_in_background
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class ActorGraph:
                  timeout_s: float, idle_park_s: float, buffer_size_bytes: int, build_after_s: float = 0.0,
                  teardowns: list[threading.Thread] | None = None) -> None:
         self.name, self._members, self._warmup = name, members, warmup
+        quiet_dead_member_teardown()  # a dead member's teardown: one line, not Ray's traceback
         self.timeout_s, self.build_after_s = timeout_s, build_after_s
         self.idle_park_s, self.buffer_size_bytes = idle_park_s, buffer_size_bytes
         self.stats = GraphStats()

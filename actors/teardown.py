@@ -11,6 +11,30 @@ import ray
 log = logging.getLogger(__name__)
 
 
+class DeadMemberCancelFilter(logging.Filter):
+    """Ray 2.60's compiled-graph teardown logs ``Error cancelling worker task`` with a full
+    traceback (25-50 lines) for every member actor that is already dead, which is how every
+    expert or draft failure ends: the actor died, or we killed it to re-create it. Such a record
+    becomes one INFO line naming the error; every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if record.msg == "Error cancelling worker task" and isinstance(error, ray.exceptions.RayActorError):
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            record.msg, record.args = "compiled graph teardown: a member actor was already gone (%s: %s)", (
+                type(error).__name__, first_line[:200])
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_dead_member_teardown() -> None:
+    """Install :class:`DeadMemberCancelFilter` on Ray's compiled-graph logger (once a process)."""
+    ray_log = logging.getLogger("ray.dag.compiled_dag_node")
+    if not any(isinstance(f, DeadMemberCancelFilter) for f in ray_log.filters):
+        ray_log.addFilter(DeadMemberCancelFilter())
+
+
 def teardown_graph(dag) -> None:
     try:
         dag.teardown()
