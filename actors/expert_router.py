@@ -49,6 +49,10 @@ HUNG_PING_TIMEOUT_S = 2.0
 # ... and a member whose current computation has run this share of call_timeout_s is stuck in it
 # (one layer's expert FFN takes milliseconds; the execution already waited the whole timeout).
 STUCK_SHARE_OF_CALL_TIMEOUT = 0.5
+# A layer that waited this long for its experts gets a warning (at most one per interval): a stall
+# short of call_timeout_s holds every request of the unit and would otherwise leave no trace in logs.
+SLOW_LAYER_WARN_S = 1.0
+SLOW_LAYER_WARN_INTERVAL_S = 10.0
 
 
 class ExpertRouter(RouterGraphs):
@@ -80,6 +84,7 @@ class ExpertRouter(RouterGraphs):
         self._hint: tuple[int, list[int]] | None = None
         self.overlap = pool.config.two_batch_overlap
         self._actor_free_s: dict[int, float] = {}  # when each actor finished our latest call (wall s)
+        self._slow_warned_s, self._slow_unwarned = -SLOW_LAYER_WARN_INTERVAL_S, 0  # monotonic s, count
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         """The model's prediction for the next MoE layer: sent with this layer's calls (offload)."""
@@ -123,6 +128,7 @@ class ExpertRouter(RouterGraphs):
     def _start_layer(self, layer: int, rows: torch.Tensor, weights: torch.Tensor,
                      expert_counts: list[int]) -> Callable[[], torch.Tensor]:
         """:meth:`run_layer` up to the graph's submission; the returned function finishes it."""
+        started_s = time.monotonic()
         w = weights.detach().to("cpu", torch.float32)  # explicit host copy: the wire boundary
         hint, self._hint = self._hint, None
         # Every dispatch, executions out or not: a probe's answer is what lets a straggling
@@ -169,6 +175,7 @@ class ExpertRouter(RouterGraphs):
                 else:
                     self.num_graph_layers += 1
                 self._probe(layer, calls, members)
+                self._warn_if_slow(layer, calls, time.monotonic() - started_s)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 raise
@@ -180,6 +187,23 @@ class ExpertRouter(RouterGraphs):
             return out
 
         return finish
+
+    def _warn_if_slow(self, layer: int, calls: list[Call], waited_s: float) -> None:
+        """A warning for a layer that waited ``waited_s`` >= :data:`SLOW_LAYER_WARN_S` for its
+        experts, naming the slowest call; at most one per :data:`SLOW_LAYER_WARN_INTERVAL_S`, with
+        the count of slow layers not reported since the last one."""
+        if waited_s < SLOW_LAYER_WARN_S or not calls:
+            return
+        now = time.monotonic()
+        if now - self._slow_warned_s < SLOW_LAYER_WARN_INTERVAL_S:
+            self._slow_unwarned += 1
+            return
+        slowest = max(calls, key=lambda c: c.record.latency_ms).record
+        log.warning("MoE layer %d waited %.1f s for its experts (slowest call: %s, %.1f s by %s; "
+                    "call_timeout_s %g s; %d more slow layers since the last warning)", layer, waited_s,
+                    slowest.replica, slowest.latency_ms / 1e3, slowest.transport or "?",
+                    self.pool.config.call_timeout_s, self._slow_unwarned)
+        self._slow_warned_s, self._slow_unwarned = now, 0
 
     def _between_dispatches(self) -> None:
         """Let the rebalancer act, rebuild a stale graph, look after the standby."""

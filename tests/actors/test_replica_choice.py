@@ -12,11 +12,13 @@ host; output identical to in-process experts throughout.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 import torch
 
+from actors import expert_router
 from actors.expert_config import ReplicationConfig
 from actors.expert_router import ExpertRouter
 from engine.checkpoint import CheckpointReader
@@ -338,3 +340,26 @@ def test_a_parked_graphs_wake_up_is_not_timed_as_its_calls_latency(fake_ray):
     assert router.graph.woken and router.num_graph_layers == 1
     # Timed from the end of the wake-up: each call's own compute, not 300 ms more.
     assert all(0 < m.ewma_latency_ms < 150 for m in members), [m.ewma_latency_ms for m in members]
+
+
+def test_a_stalled_layer_is_logged_once_per_interval_naming_the_slowest_call(fake_ray, monkeypatch, caplog):
+    monkeypatch.setattr(expert_router, "SLOW_LAYER_WARN_S", 0.15)
+    router = _router(**dict(CHOICE, replicas=1, straggler_multiple=1000.0, straggler_floor_ms=10_000.0))
+    router.graph = FakeGraph(router._graph_members)
+    rows, weights, counts = _rows(seed=5)
+    router.run_layer(LAYER, rows, weights, counts)  # actor calls; the graph is built
+    stalled = router.graph.members[1]
+    with caplog.at_level(logging.WARNING, logger=expert_router.log.name):
+        router.run_layer(LAYER, rows, weights, counts)  # a fast layer: nothing
+        assert not caplog.records
+        stalled.handle.set_delay_ms.remote(200.0)
+        for _ in range(3):
+            router.run_layer(LAYER, rows, weights, counts)
+    (record,) = caplog.records  # one warning: the next two stalls fall in its interval
+    message = record.getMessage()
+    assert message.startswith(f"MoE layer {LAYER} waited 0.") and f"slowest call: {stalled.name}, 0." in message
+    assert "by compiled_graph" in message and "0 more slow layers" in message
+    router._slow_warned_s -= expert_router.SLOW_LAYER_WARN_INTERVAL_S  # the interval has passed
+    with caplog.at_level(logging.WARNING, logger=expert_router.log.name):
+        router.run_layer(LAYER, rows, weights, counts)
+    assert "2 more slow layers since the last warning" in caplog.records[-1].getMessage()
