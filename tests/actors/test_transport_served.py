@@ -9,6 +9,7 @@ import os
 import time
 
 import httpx
+import psutil
 import pytest
 import ray
 import torch
@@ -111,9 +112,10 @@ def test_killing_an_expert_actor_in_the_served_graph_changes_no_output(served, r
     assert after["failures"] == before["failures"] + 1
 
 
-def _ray_worker_cpu_s() -> dict[int, tuple[str, float]]:
-    """(process title, CPU seconds) of every Ray worker process on this machine (``ray::``
-    processes: ``ray::IDLE`` for a pooled worker that holds no actor)."""
+def _ray_worker_cpu_s(raylet_pid: int) -> dict[int, tuple[str, float]]:
+    """(process title, CPU seconds) of every Ray worker process of the raylet ``raylet_pid``
+    (``ray::`` processes it started: ``ray::IDLE`` for a pooled worker that holds no actor); another
+    Ray cluster on the machine (a developer's server) is not this test's."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -127,7 +129,8 @@ def _ray_worker_cpu_s() -> dict[int, tuple[str, float]]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[int(pid)] = title, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if int(fields[1]) == raylet_pid:  # fields[1]: the parent's pid
+            out[int(pid)] = title, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
 
@@ -157,10 +160,12 @@ def test_an_idle_server_does_not_burn_a_core(served):
     assert _idle_graphs_parked(transport), transport
     reference = _IdleReference.remote()
     reference_pid = ray.get(reference.pid.remote())
-    before = _ray_worker_cpu_s()
+    raylet_pid = psutil.Process(reference_pid).ppid()  # the raylet that started this cluster's workers
+    before = _ray_worker_cpu_s(raylet_pid)
+    assert len(before) >= 8, before  # the app's actors, Serve's and the reference are all found
     window_s = 60.0
     time.sleep(window_s)
-    after = _ray_worker_cpu_s()
+    after = _ray_worker_cpu_s(raylet_pid)
     ray.kill(reference)
     used = {p: (after[p][0], after[p][1] - before[p][1]) for p in before if p in after}
     # Every Ray worker, doing nothing, costs its core worker's own timers: 0.5 CPU s a minute on the
