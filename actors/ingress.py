@@ -319,8 +319,7 @@ class IngressServer:
             async with aclosing(interleave(streams, deadline)) as items:  # closed at once if this ends early
                 async for prompt, item in items:
                     self._absorb(builder, prompt, item, tels)
-            if "error" in builder.finish:
-                raise RuntimeError("the engine failed this request")
+            _raise_if_engine_failed(builder)
         except Exception as e:
             failed = self._failed(e, builder.id)
             status = failed.status
@@ -367,6 +366,7 @@ class IngressServer:
                         if include_usage:  # OpenAI's: every chunk before the usage chunk says "usage": null
                             chunk["usage"] = None
                         yield sse(chunk)
+            _raise_if_engine_failed(builder)
             if include_usage:
                 yield sse(builder.usage_chunk())
         except Exception as e:  # mid-stream failure: tell the client in-band, then end the stream
@@ -386,6 +386,13 @@ class Prompt(NamedTuple):
     ids: list[int]
     text: str | None
     params: SamplingParams
+
+
+def _raise_if_engine_failed(builder: ResponseBuilder) -> None:
+    """A choice the engine failed (finish_reason "error": e.g. a step that sampled no token) fails
+    the request: a 500 body, or in a stream the error chunk after that choice's last chunk."""
+    if "error" in builder.finish:
+        raise RequestFailed(500, "the engine failed this request (the server log says why)")
 
 
 def _cancel(streams: list) -> None:

@@ -17,6 +17,11 @@ from engine.request_ranges import (  # noqa: F401  (re-exported: the limits' his
     check_stop,
 )
 
+# A temperature below this is greedy, as vLLM's sampler treats it (``_SAMPLING_EPS``): the
+# distribution is the argmax's one-hot to float32 precision long before, and logits / t overflows
+# float32 below ~1e-37 (softmax of inf: NaN, no token sampled).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How one request samples and when it stops.
@@ -26,7 +31,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         max_tokens: output tokens at most, >= 1; the run is cut there (finish_reason "length").
             None: up to the context window (vLLM's meaning; the engine sets it when the request
             is added).
-        temperature: in [0, 2] (OpenAI's range); 0 means greedy (argmax, ties to the lower token id).
+        temperature: in [0, 2] (OpenAI's range); 0 means greedy (argmax, ties to the lower token id),
+            and so does anything below :data:`GREEDY_BELOW_TEMPERATURE` (set to 0 by :meth:`validate`).
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0, -1 or None disables it.
         seed: seeds this request's own ``torch.Generator``; None draws a random seed.
@@ -82,9 +88,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def validate(self) -> None:
         """Check every field's type and range (:data:`~engine.request_ranges.RANGES`); raise
         RequestError naming it. The engine calls this again when a request is added: the struct is
-        mutable, and a field changed after construction skipped the checks."""
+        mutable, and a field changed after construction skipped the checks. A temperature below
+        :data:`GREEDY_BELOW_TEMPERATURE` becomes 0 (greedy)."""
         check_field_types(self, lambda name, message: RequestError(f"'{name}': {message}", name))
         for name in RANGES:
             if hasattr(self, name):
                 check_range(name, getattr(self, name))
         check_stop(self.stop)
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0  # greedy: every path tests temperature == 0

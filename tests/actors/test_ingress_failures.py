@@ -335,3 +335,21 @@ def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising(mon
     assert refused.json()["error"] == {
         "message": f"the prompt has at least 1024 tokens ({chars} characters); this model's context window is "
                    "1024 tokens", "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+
+
+def test_a_choice_the_engine_failed_is_a_500_and_in_a_stream_an_error_chunk_after_it():
+    # The engine fails a sequence it cannot go on with (a step that sampled no token): the item
+    # ends with finish_reason "error". A non-streamed request was a 500 already; a stream ended
+    # with that chunk and [DONE], no error object for the client to read.
+    verifier = FakeVerifier()
+    failed = [{"type": "accepted"}, _step("x", finish="error")]
+    verifier.streams = [FakeStream(list(failed)), FakeStream(list(failed))]
+    _, app = _server(verifier)
+    plain, streamed = _run(app, [BODY, dict(BODY, stream=True)])
+    assert plain.status_code == 500 and plain.json()["error"]["type"] == "internal_error"
+    assert plain.json()["error"]["message"].startswith("the engine failed this request")
+    assert streamed.status_code == 200
+    events = _sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and events[-3]["choices"][0]["finish_reason"] == "error"
+    assert events[-2]["error"]["type"] == "internal_error"
+    assert "the engine failed this request" in events[-2]["error"]["message"]

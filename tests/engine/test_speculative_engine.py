@@ -158,3 +158,16 @@ def test_speculation_turns_off_at_the_configured_batch_size(prompts):
     before = engine.get_metrics()["num_draft_tokens"]
     engine.step()  # 8 running >= 4: no drafting
     assert engine.get_metrics()["num_draft_tokens"] == before
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 3e-38, 1e-6])
+def test_a_temperature_below_the_greedy_threshold_decodes_greedily(prompts, plain_greedy, temperature):
+    # 3e-38 and 1e-40 made logits / t overflow float32: softmax gave NaN, no token was sampled and
+    # the request failed (HTTP 500). Below 1e-5 a temperature is greedy, as in vLLM's sampler.
+    from engine.sampling_params import GREEDY_BELOW_TEMPERATURE
+
+    params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, seed=7)
+    assert params.greedy and params.temperature == 0.0
+    assert not SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE).greedy  # the threshold samples
+    engine = make_engine("draft", 4, 8)
+    assert run_staggered(engine, prompts[:8], params) == plain_greedy[:8]
