@@ -17,8 +17,8 @@ from engine.request_ranges import (  # noqa: F401  (re-exported: the limits' his
     check_stop,
 )
 
-# A temperature below this is greedy, as vLLM's sampler treats it (``_SAMPLING_EPS``): the
-# distribution is the argmax's one-hot to float32 precision long before, and logits / t overflows
+# A temperature below this is greedy, as vLLM's sampler treats it (``_SAMPLING_EPS``): below it a
+# logit gap of 1e-3 leaves the runner-up under e^-100 of the argmax, and logits / t overflows
 # float32 below ~1e-37 (softmax of inf: NaN, no token sampled).
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
