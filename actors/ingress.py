@@ -107,7 +107,8 @@ class IngressServer:
         self.max_chars_per_token = None if self.tokenizer is None else max_chars_per_token(self.tokenizer)
         # POST /tokenize and /detokenize (vLLM's), with the same tokenizer and template
         self.tokenizer_routes = TokenizerRoutes(self.model_name, self.tokenizer, self.chat_template,
-                                                self.max_model_len, self.vocab_size, self.config.body_timeout_s)
+                                                self.max_model_len, self.vocab_size, self.config.body_timeout_s,
+                                                self.max_chars_per_token)
         self._ids = itertools.count()
         setup_tracing("ingress", config.tracing)
         # The engine's running/waiting gauges are the ones served (include_state_gauges=False).

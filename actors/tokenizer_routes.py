@@ -30,6 +30,9 @@ from actors.responses import token_text
 from engine.chat_template import ChatTemplate
 from engine.loader import encode_text, special_tokens_for
 
+# /tokenize counts prompts up to this many context windows (a client measuring one that is too long).
+TOKENIZE_MAX_WINDOWS = 4
+
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """``POST /tokenize``: a ``prompt`` (vLLM's TokenizeCompletionRequest) or ``messages`` (its
@@ -76,13 +79,18 @@ class TokenizerRoutes:
             (:func:`actors.http_errors.read_body`).
 
     A prompt longer than the context window is tokenized all the same (``/tokenize`` is how a
-    client measures one); the body limit bounds it.
+    client measures one), up to :data:`TOKENIZE_MAX_WINDOWS` windows: a longer one is a 400
+    (``context_length_exceeded``), refused before tokenizing where ``max_chars_per_token``
+    (:func:`engine.loader.max_chars_per_token`) bounds it. Without the cap, seven 3.8 MB prompts
+    (1.9 million tokens each, 17 MB answers with token strings) held the ingress for 31-37 s and
+    every other client with it (an abuse trial, 2026-12-06).
     """
 
     def __init__(self, model_name: str, tokenizer, chat_template: ChatTemplate, max_model_len: int,
-                 vocab_size: int, body_timeout_s: float) -> None:
+                 vocab_size: int, body_timeout_s: float, max_chars_per_token: int | None = None) -> None:
         self.model_name, self.tokenizer, self.chat_template = model_name, tokenizer, chat_template
         self.max_model_len, self.vocab_size, self.body_timeout_s = max_model_len, vocab_size, body_timeout_s
+        self.max_chars_per_token = max_chars_per_token
 
     async def tokenize(self, request: Request) -> Response:
         return await self._answer(request, TokenizeRequest, self._tokenize)
@@ -107,13 +115,26 @@ class TokenizerRoutes:
         """Raises:
             ProtocolError: the chat template refuses the conversation (param ``messages``).
         """
-        text = req.prompt
+        text, param = req.prompt, "prompt" if req.messages is None else "messages"
         if req.messages is not None:
             with protocol_errors():
                 text = self.chat_template.render(conversation(req.messages), req.add_generation_prompt is not False)
+        if self.max_chars_per_token is not None:  # refused before tokenizing where the tokenizer allows
+            self._check_count(-(-len(text) // self.max_chars_per_token), param, "at least ")
         ids = encode_text(self.tokenizer, text, special_tokens_for(req.messages is not None, req.add_special_tokens))
+        self._check_count(len(ids), param)
         strs = [token_text(self.tokenizer, t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def _check_count(self, num_tokens: int, param: str, qualifier: str = "") -> None:
+        """Raises:
+            ProtocolError: ``num_tokens`` over :data:`TOKENIZE_MAX_WINDOWS` context windows.
+        """
+        limit = TOKENIZE_MAX_WINDOWS * self.max_model_len
+        if num_tokens > limit:
+            raise ProtocolError(f"the prompt has {qualifier}{num_tokens} tokens; /tokenize counts up to "
+                                f"{TOKENIZE_MAX_WINDOWS} context windows ({limit} tokens)", param,
+                                code="context_length_exceeded")
 
     def _detokenize(self, req: DetokenizeRequest) -> dict:
         """Raises:

@@ -156,3 +156,22 @@ def test_the_tokenizers_bos_goes_before_a_completion_prompt_but_not_a_rendered_c
     assert completion[0] == bos and bare == completion[1:]
     assert chat[0] != bos and chat_bos == [bos] + chat
     assert responses[4].json()["tokens"] == completion and responses[5].json()["tokens"] == chat
+
+
+def test_tokenize_counts_past_the_context_window_but_not_without_bound():
+    # Four context windows (1024 tokens each here) are counted; beyond, a 400 before tokenizing
+    # (seven 1.9-million-token prompts held the ingress 31-37 s for every client).
+    app, _ = _app()
+    tokenizer, _ = load_tokenizer(Path(TARGET))
+    line = "values = [item for item in range(10)]\n"
+    per_line = len(tokenizer.encode(line * 50).ids) / 50
+    measured, refused, huge, chat = _post(
+        app, ("/tokenize", {"prompt": line * int(2.5 * 1024 / per_line)}),
+        ("/tokenize", {"prompt": line * int(6 * 1024 / per_line)}),
+        ("/tokenize", {"prompt": "a " * 1_900_000, "return_token_strs": True}),
+        ("/tokenize", {"messages": [{"role": "user", "content": line * int(6 * 1024 / per_line)}]}))
+    assert measured.status_code == 200 and 1024 < measured.json()["count"] <= 4 * 1024
+    for response, param in ((refused, "prompt"), (huge, "prompt"), (chat, "messages")):
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["param"], error["code"]) == (param, "context_length_exceeded")
+        assert "/tokenize counts up to 4 context windows (4096 tokens)" in error["message"]
