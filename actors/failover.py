@@ -57,6 +57,8 @@ class ResumableStream:
                 except StopAsyncIteration:
                     raise
                 except Exception as e:
+                    if _being_cancelled():  # Serve answers a cancelled wait with its own error
+                        raise asyncio.CancelledError from e
                     await self._resubmit(e)
                     continue
             if item["type"] == "accepted":
@@ -102,3 +104,11 @@ class ResumableStream:
 
     def cancel(self) -> None:
         self._stream.cancel()
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task has a cancellation pending (its waiter gave up: the client left,
+    or ``asyncio.wait_for``'s deadline). Its wait must then end cancelled: an error instead would
+    be a failure nobody retrieves (asyncio logs each) and, worse, a resubmission."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
