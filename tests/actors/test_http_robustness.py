@@ -4,12 +4,14 @@ import asyncio
 import json
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import ray
 
 from engine import SamplingParams
-from tests.actors.conftest import MODEL_NAME
+from engine.loader import load_tokenizer
+from tests.actors.conftest import MODEL_NAME, TARGET
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_PROMPT = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 4}
@@ -257,10 +259,13 @@ def test_killing_an_expert_actor_mid_batch_changes_no_output(served, reference_l
 
 def test_a_response_over_grpcs_default_4_mib_is_served(served):
     """Serve's proxy <- ingress gRPC refused a message over 4 MiB by default: a bare 500 (a fresh
-    user's /tokenize of a 3 MB prompt; a batch with logprobs likewise)."""
+    user's /tokenize of a 3 MB prompt, now a 400 past 4 context windows; a batch with logprobs
+    likewise). Here a /detokenize of 200,000 ids whose text is 6.6 MB."""
     url, _, _ = served
-    r = httpx.post(url + "/tokenize", json={"model": MODEL_NAME, "prompt": "x = 1\n" * 500_000}, timeout=120)
+    tokenizer, _ = load_tokenizer(Path(TARGET))
+    long_token = max(range(1000), key=lambda t: len(tokenizer.decode([t], skip_special_tokens=False)))
+    ids = [long_token] * 200_000
+    r = httpx.post(url + "/detokenize", json={"model": MODEL_NAME, "tokens": ids}, timeout=120)
     assert r.status_code == 200, r.text[:300]
     assert len(r.content) > 4 * 1024 * 1024
-    body = r.json()
-    assert body["count"] == len(body["tokens"]) > 1_000_000
+    assert r.json()["prompt"] == tokenizer.decode(ids, skip_special_tokens=False)
