@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
+from engine.chat_template import CHAT_ROLES, check_conversation
 from engine.request_ranges import RequestError, check_range, check_stop, is_token_ids
 from engine.sampling_params import SamplingParams
 
@@ -245,7 +246,7 @@ def _looks_like_token_ids(value: list) -> bool:
 
 class ChatMessage(msgspec.Struct):
     # "function" (OpenAI's legacy tool result) is decoded so that it is refused as a tool result.
-    role: Literal["system", "user", "assistant", "tool", "function", "developer"]
+    role: Literal[CHAT_ROLES]
     content: str | list[dict] | None = None
     # Decoded (any shape) so that the chat template refuses a history of tool calls by name rather
     # than render it without them.
@@ -293,16 +294,14 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
-    """A conversation: at least one message, each with content unless it is an assistant turn.
+    """A conversation, by the engine's rule (:func:`engine.chat_template.check_conversation`), so
+    that ``LLM.chat`` accepts what the server accepts.
 
     Raises:
         ProtocolError: 400 naming ``messages``, or ``messages[i].content`` for a message without it.
     """
-    if not messages:
-        raise ProtocolError("'messages' must not be empty", "messages")
-    for i, message in enumerate(messages):  # only an assistant turn may omit its content
-        if message.content is None and message.role != "assistant":
-            raise ProtocolError(f"messages[{i}] ({message.role}) has no 'content'", f"messages[{i}].content")
+    with protocol_errors():
+        check_conversation(conversation(messages))
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:

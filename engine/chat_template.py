@@ -79,6 +79,33 @@ TOOL_RESULT_ROLES = {"tool": "a tool's result", "function": "a function's result
 TOOL_CALL_FIELDS = {"tool_calls": "tool calls", "function_call": "a function call, OpenAI's legacy form"}
 
 
+# The roles a conversation may hold, as /v1/chat/completions takes them ("tool" and "function",
+# OpenAI's legacy tool result, are then refused as results of tools this server does not have).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "function", "developer")
+
+
+def check_conversation(messages: Sequence[Any]) -> None:
+    """A conversation as ``/v1/chat/completions`` and ``LLM.chat`` accept it.
+
+    Raises:
+        RequestError: no message (param ``messages``); a message that is not a dict with a string
+            role (``messages[i]``, ``messages[i].role``) or whose role is not one of
+            :data:`CHAT_ROLES` (``messages[i].role``); a message other than an assistant turn
+            without content (``messages[i].content``).
+    """
+    if not messages:
+        raise RequestError("'messages' must not be empty", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            where = f"messages[{i}].role" if isinstance(m, Mapping) else f"messages[{i}]"
+            raise RequestError(f"{where}: each message must be a dict with a string 'role', got {m!r:.60}", where)
+        if m["role"] not in CHAT_ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r:.40}",
+                               f"messages[{i}].role")
+        if m.get("content") is None and m["role"] != "assistant":  # only an assistant turn may omit it
+            raise RequestError(f"messages[{i}] ({m['role']}) has no 'content'", f"messages[{i}].content")
+
+
 def _refuse_tool_turns(message: Mapping[str, Any], i: int) -> None:
     """Raises:
         RequestError: message ``i`` is a tool's or function's result (param ``messages[i].role``)
@@ -168,14 +195,13 @@ class ChatTemplate:
 
         Raises:
             RequestError: the template refusing the conversation (its ``raise_exception``), param
-                ``messages``; a malformed message, a tool or function call or result, param naming
-                it (``messages[i].role``, ``messages[i].content[j]``, ``messages[i].tool_calls``).
+                ``messages``; a malformed conversation (:func:`check_conversation`), a tool or
+                function call or result, param naming it (``messages[i].role``,
+                ``messages[i].content[j]``, ``messages[i].tool_calls``).
         """
+        check_conversation(messages)
         msgs = []
         for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                where = f"messages[{i}].role" if isinstance(m, Mapping) else f"messages[{i}]"
-                raise RequestError(f"{where}: each message must be a dict with a string 'role', got {m!r:.60}", where)
             _refuse_tool_turns(m, i)
             msgs.append({"role": m["role"], "content": message_text(m.get("content"), f"messages[{i}].content")})
         try:

@@ -45,6 +45,11 @@ def test_llm_chat_takes_a_batch_a_template_and_its_variables(llm):
     ([[{"role": "user", "content": "a"}], "b"], "a list of message dicts", "messages"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      "got type 'image_url'", "messages[1].content[0]"),
+    # The server's 400s, which LLM.chat rendered and generated from (a trial, 2026-12-06):
+    ([{"role": "user"}], "has no 'content'", "messages[0].content"),
+    ([{"role": "user", "content": None}], "has no 'content'", "messages[0].content"),
+    ([{"role": "wizard", "content": "hi"}], "must be one of system, user", "messages[0].role"),
+    ([[], [{"role": "user", "content": "a"}]], "must not be empty", "messages"),
 ])
 def test_llm_chat_refuses_a_malformed_conversation_by_name(llm, messages, match, param):
     with pytest.raises(RequestError, match=match) as err:
