@@ -62,6 +62,17 @@ def verifier_gone(e: BaseException) -> bool:
     return isinstance(e, (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError))
 
 
+def raise_if_engine_failed(finish_reasons) -> None:
+    """A choice the engine failed (finish_reason "error": e.g. a step that sampled no token) fails
+    the request: a 500 body, or in a stream the error chunk after that choice's last chunk.
+
+    Raises:
+        RequestFailed: 500, when ``finish_reasons`` holds "error".
+    """
+    if "error" in finish_reasons:
+        raise RequestFailed(500, "the engine failed this request (the server log says why)")
+
+
 def failure(e: BaseException, timeout_s: float) -> RequestFailed:
     """What the client gets for ``e``: 504 past ``timeout_s``, 503 while the verifier is gone, else
     500 (a :class:`RequestFailed` as it is)."""

@@ -30,6 +30,7 @@ from actors.http_errors import (
     RequestFailed,
     error_response,
     failure,
+    raise_if_engine_failed,
     read_body,
     verifier_gone,
 )
@@ -281,7 +282,8 @@ class IngressServer:
         # One telemetry per prompt (each is an engine request), all in this request's HTTP span.
         tels = Telemetries([tel] + [tel.for_another_prompt() for _ in prompts[1:]], rid)
         params = prompts[0].params
-        for t in tels:
+        for t, p in zip(tels, prompts):
+            t.prompt_tokens = len(p.ids)  # counted if the client leaves after the first token
             t.trace.request(sc.gen_ai_request_attributes(op, self.model_name, max_tokens=params.max_tokens,
                                                          temperature=params.temperature, top_p=params.top_p,
                                                          seed=params.seed))
@@ -320,7 +322,7 @@ class IngressServer:
             async with aclosing(interleave(streams, deadline)) as items:  # closed at once if this ends early
                 async for prompt, item in items:
                     self._absorb(builder, prompt, item, tels)
-            _raise_if_engine_failed(builder)
+            raise_if_engine_failed(builder.finish)
         except Exception as e:
             failed = self._failed(e, builder.id)
             status = failed.status
@@ -367,7 +369,7 @@ class IngressServer:
                         if include_usage:  # OpenAI's: every chunk before the usage chunk says "usage": null
                             chunk["usage"] = None
                         yield sse(chunk)
-            _raise_if_engine_failed(builder)
+            raise_if_engine_failed(builder.finish)
             if include_usage:
                 yield sse(builder.usage_chunk())
         except Exception as e:  # mid-stream failure: tell the client in-band, then end the stream
@@ -387,13 +389,6 @@ class Prompt(NamedTuple):
     ids: list[int]
     text: str | None
     params: SamplingParams
-
-
-def _raise_if_engine_failed(builder: ResponseBuilder) -> None:
-    """A choice the engine failed (finish_reason "error": e.g. a step that sampled no token) fails
-    the request: a 500 body, or in a stream the error chunk after that choice's last chunk."""
-    if "error" in builder.finish:
-        raise RequestFailed(500, "the engine failed this request (the server log says why)")
 
 
 def _cancel(streams: list) -> None:

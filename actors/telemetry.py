@@ -234,6 +234,7 @@ class RequestTelemetry:
         self.tracker = metrics.track(arrival_s) if metrics is not None else None
         self.arrival_s = arrival_s
         self.usage: dict | None = None
+        self.prompt_tokens = 0  # the prompt's length, as the ingress tokenized it (set by the ingress)
         self.queue_time_s: float | None = None
         self.reasons: dict[int, str] = {}
         self.num_tokens = 0
@@ -276,7 +277,8 @@ class RequestTelemetry:
             return
         self.done = True
         reasons = [self.reasons[i] for i in sorted(self.reasons)] or [reason_if_unfinished]
-        prompt = self.usage["prompt_tokens"] if self.usage else 0
+        # Without the final usage (the client left): the prompt counts once it produced a token.
+        prompt = self.usage["prompt_tokens"] if self.usage else self.prompt_tokens if self.num_tokens else 0
         output = self.usage["completion_tokens"] if self.usage else self.num_tokens
         if self.tracker is not None and status < 400:
             self.tracker.on_finish(reasons[0] if self.usage else reason_if_unfinished, prompt, output,

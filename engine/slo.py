@@ -286,9 +286,11 @@ class SLOPolicy:
         return out
 
     def record(self, request: RequestOutput, params) -> None:
-        """Count a finished request against its class's budget (classless requests are not counted)."""
+        """Count a finished request against its class's budget. Classless requests are not
+        counted, nor aborted ones: a request its client abandoned has no latency to judge (it
+        could count as met with no token delivered), as vLLM's bench counts only completed ones."""
         name, slo = self.config.slo_for(params.slo_class)
-        if slo is None:
+        if slo is None or any(o.finish_reason == "abort" for o in request.outputs):
             return
         tokens = max((len(o.token_ids) for o in request.outputs), default=0)
         ok = request.metrics is not None and request_slo_met(slo, request.metrics, tokens)

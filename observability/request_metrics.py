@@ -81,7 +81,8 @@ class RequestMetrics:
                                 m + ["reason"], registry=r)
         for reason in REFUSAL_REASONS:
             self._refused.labels(name, reason)
-        self.prompt_tokens = Counter(P + "prompt_tokens_total", "Prompt tokens of finished requests.",
+        self.prompt_tokens = Counter(P + "prompt_tokens_total",
+                                     "Prompt tokens of finished requests (an aborted one once it produced a token).",
                                      m, registry=r).labels(name)
         self.generation_tokens = Counter(P + "generation_tokens_total", "Output tokens generated.",
                                          m, registry=r).labels(name)

@@ -151,3 +151,21 @@ def test_telemetry_counts_a_503_before_any_output_as_refused_not_failed(status, 
     assert r.get_sample_value("specmoe:request_refused_total", {"model_name": "m", "reason": "unavailable"}) == refused
     assert r.get_sample_value("specmoe:request_success_total",
                               {"model_name": "m", "finished_reason": "error"}) == errors
+
+
+@pytest.mark.parametrize(("steps", "prompt_tokens"), [([[0.0, 2]], 17), ([], 0)])
+def test_a_request_its_client_left_counts_its_prompt_once_it_produced_a_token(steps, prompt_tokens):
+    # Its final usage never comes; prompt_tokens_total left its prompt out while
+    # generation_tokens_total counted its tokens (a metrics audit, 2026-12-06).
+    from observability import RequestMetrics
+
+    metrics = RequestMetrics("m", include_state_gauges=False)
+    tel = RequestTelemetry(metrics, "/v1/completions", {}, "text_completion", "m", arrival_s=time.monotonic())
+    tel.prompt_tokens = 17  # as the ingress tokenized it
+    tel.on_item({"type": "step", "finished": False, "steps": steps,
+                 "choices": [{"index": 0, "new_token_ids": [1, 2][:len(steps) * 2], "finish_reason": None}]})
+    tel.finish(200, "cmpl-1")  # the client left: finished as "abort"
+    sample = metrics.registry.get_sample_value
+    assert sample("specmoe:request_success_total", {"model_name": "m", "finished_reason": "abort"}) == 1
+    assert sample("specmoe:prompt_tokens_total", {"model_name": "m"}) == prompt_tokens
+    assert sample("specmoe:generation_tokens_total", {"model_name": "m"}) == (2 if steps else 0)

@@ -312,3 +312,18 @@ def test_slack_sized_chunks_in_the_engine():
     assert limits["ahead"] >= len(long) > limits["spent"]
     out = engine.scheduler.schedule(engine.kv.num_free, engine._decode_cost, limits["ahead"])
     assert out.chunks["long-0"] == len(long) and [s.seq_id for s in out.decodes] == ["short-0"]
+
+
+def test_an_aborted_request_is_not_counted_for_attainment():
+    # A request its client abandoned after its first token counted as met (with nothing delivered
+    # to the client, a trial saw), so attainment rose with abandoned requests.
+    engine = engine_with(seqs=4, default_slo_class="batch")
+    p = prompt_ids(3, 40)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("kept", p[0], params)
+    engine.add_request("left", p[1], params)
+    engine.step()  # both prefilled: each has its first token
+    assert engine.abort_request("left")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_metrics()["slo_attainment"] == {"batch": [1, 1]}
