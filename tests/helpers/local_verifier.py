@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine_loop import EngineLoop
 
+_ENGINE_LOOPS: dict[int, EngineLoop] = {}  # id(engine) -> its latest EngineLoop
+
 
 class LocalStream:
     """A verifier stream as IngressServer uses it: async iteration plus ``cancel()``."""
@@ -39,5 +41,14 @@ class LocalVerifier:
     def remote(self, ids, params, prompt, rid, carrier, stream) -> LocalStream:
         self.calls.append((ids, params, prompt, rid, carrier, stream))
         if self.owner is not asyncio.get_running_loop():
+            # One engine thread at a time steps an engine, as in a replica: the engine's last
+            # EngineLoop (an earlier event loop's, or another LocalVerifier's) may still be ending
+            # its burst. Left running, that thread saw this loop's new requests and stepped the
+            # engine at the same time as this loop's thread: both emitted the same first token into
+            # a sequence, which then finished one published token short (a batch test under load).
+            previous = _ENGINE_LOOPS.get(id(self.engine))
+            if previous is not None:
+                previous.executor.shutdown(wait=True)
             self.loop, self.owner = EngineLoop(self.engine, ThreadPoolExecutor(1)), asyncio.get_running_loop()
+            _ENGINE_LOOPS[id(self.engine)] = self.loop
         return LocalStream(self.loop.generate(ids, params, prompt, rid, carrier, stream))
