@@ -80,7 +80,7 @@ class ExpertWorker(GraphParking):
 
     def forward(self, layer: int, counts: list[int], hidden: np.ndarray, weights: np.ndarray,
                 sent_time_s: float, carrier: dict | None = None,
-                hint: tuple[int, list[int]] | None = None, experts: list[int] | None = None) -> tuple[np.ndarray, dict]:
+                hint: list | None = None, experts: list[int] | None = None) -> list:
         """Run held experts on grouped rows (the ``actor_calls`` transport: one Ray call).
 
         Args:
@@ -90,12 +90,12 @@ class ExpertWorker(GraphParking):
             weights: ``(rows,)`` float32 routing weights applied to the outputs.
             sent_time_s: caller's ``time.time()`` when sending (queue time = start - sent).
             carrier: W3C trace context of the caller's call span.
-            hint: ``(layer, expert_ids)`` predicted for the next MoE layer: prefetched (offload only).
+            hint: ``[layer, expert_ids]`` predicted for the next MoE layer: prefetched (offload only).
             experts: a guest group held via :meth:`host_experts` (``counts`` in its order); None:
                 this actor's own experts.
 
         Returns:
-            ``(rows, hidden_size)`` weighted expert outputs (wire format), and timings: ``queue_ms``,
+            ``[output, timings]``: the ``(rows, hidden_size)`` weighted expert outputs (wire format), and timings: ``queue_ms``,
             ``compute_ms``, ``start_s`` (this actor's ``time.time()``), ``actor_id``; with offload
             also ``cache``: the cache counters since the previous answer
             (:class:`engine.expert_cache.CacheStats` as a dict).
@@ -107,12 +107,12 @@ class ExpertWorker(GraphParking):
         w = torch.from_numpy(np.array(weights, copy=True)).to(self.device)
         return self._compute(layer, counts, x, w, start, sent_time_s, carrier, hint, to_wire, experts)
 
-    def forward_graph(self, request: tuple, index: int) -> tuple[bytes, dict] | None:
+    def forward_graph(self, request: list | str, index: int) -> list | None:
         """This actor's part of one compiled-graph execution (the ``compiled_graph`` transport).
 
         Args:
-            request: ``(layer, calls, sent_time_s)`` shared by every actor of the graph; ``calls[index]``
-                is None (nothing for this actor this layer) or ``(counts, hidden, weights, carrier, hint[, experts])``
+            request: ``[layer, calls, sent_time_s]`` shared by every actor of the graph; ``calls[index]``
+                is None (nothing for this actor this layer) or ``[counts, hidden, weights, carrier, hint[, experts]]``
                 with ``hidden`` the bytes of ``(sum(counts), hidden_size)`` rows and ``weights`` the
                 bytes of ``(sum(counts),)`` float32 (:func:`actors.wire.to_bytes`). ``layer`` None is
                 the warm-up execution after compiling; :data:`actors.graph_park.PARK` parks the
@@ -120,8 +120,8 @@ class ExpertWorker(GraphParking):
             index: this actor's position in the graph (bound at compile time).
 
         Returns:
-            The output rows as bytes and the timings of :meth:`forward`, or None when there was
-            nothing to do.
+            ``[output rows as bytes, timings of :meth:`forward`]``, or None when there was nothing
+            to do.
         """
         import torch
 
@@ -139,8 +139,8 @@ class ExpertWorker(GraphParking):
         return self._compute(layer, counts, x, w, start, sent_time_s, carrier, hint, to_bytes, *experts)
 
     def _compute(self, layer: int, counts: list[int], x, w, start: float, sent_time_s: float,
-                 carrier: dict | None, hint: tuple[int, list[int]] | None, encode,
-                 experts: list[int] | None = None) -> tuple:
+                 carrier: dict | None, hint: list | None, encode,
+                 experts: list[int] | None = None) -> list:
         key = next(self._compute_ids)
         self._computing[key] = time.monotonic()
         try:
@@ -157,8 +157,8 @@ class ExpertWorker(GraphParking):
         return now - min(list(self._computing.values()), default=now)  # list(): one atomic copy
 
     def _compute_now(self, layer: int, counts: list[int], x, w, start: float, sent_time_s: float,
-                     carrier: dict | None, hint: tuple[int, list[int]] | None, encode,
-                     experts: list[int] | None) -> tuple:
+                     carrier: dict | None, hint: list | None, encode,
+                     experts: list[int] | None) -> list:
         import torch
 
         queue_ms = max(0.0, (start - sent_time_s) * 1e3)
@@ -178,7 +178,7 @@ class ExpertWorker(GraphParking):
         if self.offload:
             timing["cache"] = self.store.take_stats().as_dict()
         self._trace(layer, counts, timing, carrier)
-        return result, timing
+        return [result, timing]  # a list: a tuple costs a pickle in a graph channel (expert_router._submit_graph)
 
     def _trace(self, layer: int, counts: list[int], timing: dict, carrier: dict | None) -> None:
         """The actor-side span of this call: a child of the router's call span."""

@@ -71,7 +71,7 @@ class Call:
     replica: Replica | None = None
     wire: Any = None  # ``hidden`` in the actor-call wire format, made once for every attempt
     carrier: dict | None = None  # trace context of the call span, shared by its attempts
-    hint: tuple[int, list[int]] | None = None  # offload: (next layer, predicted experts) to prefetch
+    hint: list | None = None  # offload: [next layer, predicted experts] to prefetch
 
 
 @dataclass

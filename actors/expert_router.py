@@ -81,14 +81,14 @@ class ExpertRouter(RouterGraphs):
         # max/mean rows per expert actor of each recent dispatch (the balance replication aims at)
         self.actor_imbalance: deque[float] = deque(maxlen=4096)
         self.prefetch_enabled = pool.config.offload_settings() is not None and pool.config.prefetch
-        self._hint: tuple[int, list[int]] | None = None
+        self._hint: list | None = None  # [layer, expert_ids]
         self.overlap = pool.config.two_batch_overlap
         self._actor_free_s: dict[int, float] = {}  # when each actor finished our latest call (wall s)
         self._slow_warned_s, self._slow_unwarned = -SLOW_LAYER_WARN_INTERVAL_S, 0  # monotonic s, count
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         """The model's prediction for the next MoE layer: sent with this layer's calls (offload)."""
-        self._hint = (layer, expert_ids)
+        self._hint = [layer, expert_ids]  # a list: it travels in graph payloads (see _submit_graph)
 
     def execute(self, layer: int, hidden: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
         """``(num_tokens, hidden_size)`` -> the routing-weighted sum of each token's experts.
@@ -215,7 +215,7 @@ class ExpertRouter(RouterGraphs):
         self._maintain_graphs()
 
     def _plan(self, layer: int, rows: torch.Tensor, w: torch.Tensor, expert_counts: list[int],
-              members: list[Replica] | None, hint: tuple[int, list[int]] | None = None) -> list[Call] | None:
+              members: list[Replica] | None, hint: list | None = None) -> list[Call] | None:
         """The layer's calls: each group's rows over its chosen replicas (members of the live graph
         when ``members`` is given; None when a group with rows has none usable there)."""
         calls, planned, start = [], {}, 0
@@ -292,11 +292,13 @@ class ExpertRouter(RouterGraphs):
         for c in calls:
             c.record.sent_s, c.record.attempts, c.record.transport = sent_s, 1, "compiled_graph"
             c.record.replica = c.replica.name
-            call = (c.record.counts, to_bytes(c.hidden), to_bytes(c.weights), self.telemetry.call_carrier(ctx, c.record),
-                    c.hint)
-            per_member[index[id(c.replica)]] = call if c.replica.host is None else (*call, c.record.expert_ids)
+            call = [c.record.counts, to_bytes(c.hidden), to_bytes(c.weights), self.telemetry.call_carrier(ctx, c.record),
+                    c.hint]
+            per_member[index[id(c.replica)]] = call if c.replica.host is None else [*call, c.record.expert_ids]
             c.replica.stats.last_call_s = time.monotonic()
-        execution = graph.submit((layer, per_member, sent_s))
+        # Lists, not tuples: Ray's channel serialiser (msgpack with strict types) pickles every
+        # tuple, ~15 us of this thread's time per execution and as much on each actor.
+        execution = graph.submit([layer, per_member, sent_s])
         return None if execution is None else (graph, execution, index)
 
     def _wait_graph(self, calls: list[Call], submitted: tuple) -> list | None:

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 GRAPH_HEDGE_INTERVAL_S = 2.0
 
 
-def _warmup(n: int) -> tuple:
-    return None, [None] * n, 0.0
+def _warmup(n: int) -> list:
+    return [None, [None] * n, 0.0]
 
 
 def _fastest(replicas: list[Replica]) -> Replica:

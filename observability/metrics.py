@@ -64,6 +64,7 @@ class EngineMetrics:
         self.per_expert_latency = per_expert_latency
         self._last_totals: dict[str, object] = {}
         self._last_graph_events: dict[str, int] = {}
+        self._expert_series: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> record_expert_call's children
         self.registry = registry if registry is not None else CollectorRegistry()
         try:
             self._build(self.registry)
@@ -218,7 +219,6 @@ class EngineMetrics:
         return ratio
 
     @safe
-    @safe
     def declare_slo_classes(self, names: Sequence[str]) -> None:
         """Create each class's ``slo_requests_total`` series (met true and false) at zero."""
         for name in names:
@@ -246,14 +246,22 @@ class EngineMetrics:
         """One finished expert call as the router saw it (round trip, seconds)."""
         # Values first: a bad call must fail before it creates any series.
         num_tokens, latency_s = int(num_tokens), float(latency_s)
-        key = (self.model_name, str(layer), str(expert))
+        series = self._expert_series.get((layer, expert))
+        if series is None:  # the children looked up once: ``labels()`` costs more than the update
+            series = self._expert_series[(int(layer), int(expert))] = self._new_expert_series(layer, expert)
+        tokens, hist = series
         if num_tokens:
-            self._expert_tokens.labels(*key).inc(num_tokens)
-        hist = self._expert_latency.labels(*key) if self.per_expert_latency else \
-            self._expert_latency.labels(self.model_name, str(layer))
+            tokens.inc(num_tokens)
         hist.observe(max(0.0, latency_s))
         if straggler:
-            self._stragglers.labels(*key).inc()
+            self._stragglers.labels(self.model_name, str(layer), str(expert)).inc()
+
+    def _new_expert_series(self, layer: int, expert: int) -> tuple:
+        """The ``expert_tokens_total`` and ``expert_call_latency_seconds`` children of (layer, expert)."""
+        key = (self.model_name, str(layer), str(expert))
+        hist = self._expert_latency.labels(*key) if self.per_expert_latency else \
+            self._expert_latency.labels(self.model_name, str(layer))
+        return self._expert_tokens.labels(*key), hist
 
     @safe
     def record_hedge(self, layer: int, expert: int) -> None:
