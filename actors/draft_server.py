@@ -60,7 +60,7 @@ def _features_to_wire(r: DraftRequest, start: int) -> dict:
         return {}
     start = min(start, max(0, r.features.shape[0] - 1))  # the newest row is re-run for its logits every time
     rows = r.features[start:]
-    return {"features": to_bytes(rows), "features_shape": tuple(rows.shape), "features_start": start,
+    return {"features": to_bytes(rows), "features_shape": list(rows.shape), "features_start": start,
             "features_dtype": str(rows.dtype).removeprefix("torch.")}
 
 
@@ -140,8 +140,8 @@ class DraftServer(GraphParking):
             return [{"miss": True} if i in missed else _proposal_to_wire(next(proposals), r)
                     for i, r in enumerate(requests)]
 
-    def propose_graph(self, request: tuple | None, index: int) -> list[dict] | None:
-        """One compiled-graph execution: ``request`` is ``(wire, release, carrier)``, None for
+    def propose_graph(self, request: list | str | None, index: int) -> list[dict] | None:
+        """One compiled-graph execution: ``request`` is ``[wire, release, carrier]``, None for
         the warm-up execution after compiling, or :data:`actors.graph_park.PARK`."""
         return None if request is None or self._parked(request) else self.propose(*request)
 
@@ -150,7 +150,7 @@ class DraftServer(GraphParking):
 
 
 def _proposal_to_wire(p: DraftProposal, r: DraftRequest) -> dict:
-    return {"token_ids": p.token_ids, "probs": None if p.probs is None else p.probs.detach().cpu().numpy(),
+    return {"token_ids": list(p.token_ids), "probs": None if p.probs is None else p.probs.detach().cpu().numpy(),
             "generator": _gen_state(r.generator), "pipelined": p.pipelined, "drafting_ahead": p.drafting_ahead}
 
 
@@ -264,9 +264,9 @@ class RemoteDrafter:
         release, self._released = self._released, []
         carrier = inject_context() if is_enabled() else None  # the draft.propose span, this thread
         try:
-            wire = self._call((requests_to_wire(requests, self._shipped), release, carrier))
+            wire = self._call([requests_to_wire(requests, self._shipped), release, carrier])
             if missed := [i for i, w in enumerate(wire) if w.get("miss")]:  # resend whole feature histories
-                for i, w in zip(missed, self._call((requests_to_wire([requests[i] for i in missed]), [], None))):
+                for i, w in zip(missed, self._call([requests_to_wire([requests[i] for i in missed]), [], None])):
                     wire[i] = w
         except Exception as e:  # draft failure: speculation off for this step only
             self._shipped.clear()  # the actor may have lost (or never got) what was sent
@@ -285,7 +285,8 @@ class RemoteDrafter:
             out.append(DraftProposal(list(w["token_ids"]), probs, w["pipelined"], w["drafting_ahead"]))
         return out
 
-    def _call(self, request: tuple) -> list[dict]:
+    def _call(self, request: list) -> list[dict]:
+        # A list, as every part of it: Ray's channel serialiser pickles tuples (actors/expert_router.py).
         # No live graph (building, torn down, replaced): this step uses a plain call.
         execution = self.graph.submit(request) if self.graph is not None else None
         result = self.graph.wait(execution) if execution is not None else None
@@ -333,7 +334,7 @@ class RemoteDrafter:
             if not self.up():  # a re-created actor holds none of them (no proposal since)
                 return
             try:
-                self._call(([], release, None))  # an empty proposal: the same hop, in order
+                self._call([[], release, None])  # an empty proposal: the same hop, in order
             except Exception as e:  # the actor forgets everything if it died anyway
                 log.warning("draft cache release failed (%s: %s)", type(e).__name__, e)
 
