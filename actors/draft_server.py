@@ -286,7 +286,7 @@ class RemoteDrafter:
         return out
 
     def _call(self, request: list) -> list[dict]:
-        # A list, as every part of it: Ray's channel serialiser pickles tuples (actors/expert_router.py).
+        # ``request`` and its parts are lists: a graph channel pickles tuples (ExpertRouter._submit_graph).
         # No live graph (building, torn down, replaced): this step uses a plain call.
         execution = self.graph.submit(request) if self.graph is not None else None
         result = self.graph.wait(execution) if execution is not None else None

@@ -95,10 +95,10 @@ class ExpertWorker(GraphParking):
                 this actor's own experts.
 
         Returns:
-            ``[output, timings]``: the ``(rows, hidden_size)`` weighted expert outputs (wire format), and timings: ``queue_ms``,
-            ``compute_ms``, ``start_s`` (this actor's ``time.time()``), ``actor_id``; with offload
-            also ``cache``: the cache counters since the previous answer
-            (:class:`engine.expert_cache.CacheStats` as a dict).
+            ``[output, timings]``: the ``(rows, hidden_size)`` weighted expert outputs (wire
+            format), and timings: ``queue_ms``, ``compute_ms``, ``start_s`` (this actor's
+            ``time.time()``), ``actor_id``; with offload also ``cache``: the cache counters since
+            the previous answer (:class:`engine.expert_cache.CacheStats` as a dict).
         """
         import torch
 
@@ -178,7 +178,7 @@ class ExpertWorker(GraphParking):
         if self.offload:
             timing["cache"] = self.store.take_stats().as_dict()
         self._trace(layer, counts, timing, carrier)
-        return [result, timing]  # a list: a tuple costs a pickle in a graph channel (expert_router._submit_graph)
+        return [result, timing]  # a list: a graph channel pickles tuples (ExpertRouter._submit_graph)
 
     def _trace(self, layer: int, counts: list[int], timing: dict, carrier: dict | None) -> None:
         """The actor-side span of this call: a child of the router's call span."""
