@@ -64,7 +64,7 @@ class EngineMetrics:
         self.per_expert_latency = per_expert_latency
         self._last_totals: dict[str, object] = {}
         self._last_graph_events: dict[str, int] = {}
-        self._expert_series: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> record_expert_call's children
+        self._expert_series: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> :meth:`_new_expert_series`
         self.registry = registry if registry is not None else CollectorRegistry()
         try:
             self._build(self.registry)
@@ -232,13 +232,9 @@ class EngineMetrics:
             self._imbalance.labels(self.model_name, str(layer))
             for expert in range(num_experts):
                 key = (self.model_name, str(layer), str(expert))
-                self._expert_tokens.labels(*key)
+                self._expert_series[(layer, expert)] = self._new_expert_series(layer, expert)
                 self._stragglers.labels(*key)
                 self._hedges.labels(*key)
-                if self.per_expert_latency:
-                    self._expert_latency.labels(*key)
-            if not self.per_expert_latency:
-                self._expert_latency.labels(self.model_name, str(layer))
 
     @safe
     def record_expert_call(self, layer: int, expert: int, num_tokens: int, latency_s: float,
@@ -248,7 +244,7 @@ class EngineMetrics:
         num_tokens, latency_s = int(num_tokens), float(latency_s)
         series = self._expert_series.get((layer, expert))
         if series is None:  # the children looked up once: ``labels()`` costs more than the update
-            series = self._expert_series[(int(layer), int(expert))] = self._new_expert_series(layer, expert)
+            series = self._expert_series[(layer, expert)] = self._new_expert_series(layer, expert)
         tokens, hist = series
         if num_tokens:
             tokens.inc(num_tokens)
