@@ -243,7 +243,7 @@ class EngineLoop:
                 return
             try:
                 batch.append(await asyncio.wait_for(queue.get(), remaining_s))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
             while not queue.empty():
                 batch.append(queue.get_nowait())

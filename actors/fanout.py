@@ -22,7 +22,7 @@ async def next_item(stream, deadline: float) -> dict:
     """
     remaining_s = deadline - time.monotonic()
     if remaining_s <= 0:
-        raise asyncio.TimeoutError
+        raise TimeoutError
     return await asyncio.wait_for(stream.__anext__(), remaining_s)
 
 

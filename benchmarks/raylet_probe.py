@@ -83,7 +83,7 @@ async def load(target: SoakTarget, concurrency: int, duration_s: float, mix: dic
         while time.monotonic() < end:
             try:
                 await asyncio.wait_for(KINDS[rng.choices(kinds, weights)[0]](client, target, rng), 120)
-            except (asyncio.TimeoutError, httpx.HTTPError):
+            except (TimeoutError, httpx.HTTPError):
                 pass
             count[0] += 1
 

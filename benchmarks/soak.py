@@ -106,7 +106,7 @@ async def run_load(target: SoakTarget, args: argparse.Namespace) -> list[Outcome
             kind = rng.choices(kinds, weights)[0]
             try:
                 outcome = await asyncio.wait_for(KINDS[kind](client, target, rng), args.request_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 outcome = Outcome(kind, "timeout", False, f"lost: no answer within {args.request_timeout_s:g} s")
             outcomes.append(outcome)
 

@@ -169,7 +169,7 @@ async def send_request(
         # wait_for bounds the whole request: httpx's own timeout is per read, and a server that
         # trickles chunks forever would never trip it.
         await asyncio.wait_for(_stream(client, base_url + path, body, result), options.request_timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         result.success, result.error = False, f"timeout after {options.request_timeout_s:g} s"
     except (httpx.HTTPError, OSError, ValueError) as exc:  # ValueError: malformed chunk
         result.success, result.error = False, f"{type(exc).__name__}: {exc}"
