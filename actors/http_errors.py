@@ -92,11 +92,19 @@ async def read_body(request: Request, timeout_s: float) -> bytes:
     refused (408) when it has not all arrived within ``timeout_s`` seconds. Without the deadline
     a client that sent headers and part of a body held one of the ingress's in-flight slots for as
     long as it kept the connection open, and 260 such connections stopped the server (``/health``
-    included) until they closed (a slowloris trial, 2026-12-06).
+    included) until they closed (a slowloris trial, 2026-12-06). A body declared as anything but
+    JSON (``Content-Type`` other than ``application/json`` or ``*/*+json``; none is taken as JSON)
+    gets 415 before it is read, as FastAPI's JSON bodies (vLLM's) refuse it: a form-encoded
+    ``curl -d`` was parsed as JSON and answered.
 
     Raises:
-        ProtocolError: 413 or 408 as above.
+        ProtocolError: 415, 413 or 408 as above.
     """
+    content_type = request.headers.get("content-type", "")
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise ProtocolError(f"Content-Type {content_type!r} is not JSON: send the body as application/json",
+                            status=415)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ProtocolError(f"request body of {declared} bytes exceeds {MAX_BODY_BYTES} bytes", status=413)

@@ -78,6 +78,14 @@ def test_bad_inputs_get_openai_errors_while_a_stream_runs_intact(served, referen
     text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in [first] + rest[:-1] if json.loads(x[6:])["choices"])
     assert text == expected.outputs[0].text
     assert _post(url, C, {**OK_PROMPT, "unknown_field": 1}).status_code == 200  # unknown fields are ignored
+    body = json.dumps(OK_PROMPT).encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d's default; a wrong one
+        r = httpx.post(url + C, content=body, headers={"Content-Type": content_type}, timeout=60)
+        assert r.status_code == 415 and content_type in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json", ""):  # "": none sent
+        r = httpx.post(url + C, content=body, headers={"Content-Type": content_type} if content_type else {}, timeout=60)
+        assert r.status_code == 200, (content_type, r.text)
     # vLLM's conveniences: no model means the served one; tools that tool_choice "none" turns off
     no_model = _post(url, C, {k: v for k, v in OK_PROMPT.items() if k != "model"})
     assert no_model.status_code == 200 and no_model.json()["model"] == MODEL_NAME
