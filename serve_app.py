@@ -12,10 +12,8 @@ cluster joined or a loopback-only local Ray started (``actors/cluster.py``), and
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ try:
 
     from actors.api_key import API_KEY_ENV
     from actors.config import ServeConfig
+    from actors.port_checks import check_port, claim_port, proxy_start_error, release_ports
     from actors.startup_checks import StartupError, check_experts, check_fits_this_machine
     from engine.errors import CheckpointError, ConfigError
     from engine.yaml_config import load_yaml
@@ -61,49 +60,6 @@ def resolve_paths(config: ServeConfig, base: Path) -> None:
         if not (path / "config.json").is_file():
             raise StartupError(f"engine.{field}: checkpoint {str(path)!r} not found (no config.json there)")
         setattr(e, field, str(path))
-
-
-def _bind_error(host: str, port: int) -> OSError | None:
-    """Why ``host:port`` cannot be bound now (None: it can)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return e
-    return None
-
-
-_OTHER_PORT = "another port: http.port in the config, --port, or `make serve PORT=...`"
-
-
-def check_port(host: str, port: int) -> None:
-    """Raises StartupError with the advice that fits the bind error: another port when it is taken
-    or privileged, another host when the host is no address of this machine."""
-    if (e := _bind_error(host, port)) is None:
-        return
-    if e.errno == errno.EADDRINUSE:
-        raise StartupError(f"http: cannot listen on {host}:{port} ({e.strerror}); is another server "
-                           f"running? Pick {_OTHER_PORT}") from e
-    if e.errno == errno.EACCES:
-        raise StartupError(f"http: cannot listen on {host}:{port} ({e.strerror}): ports below 1024 need "
-                           f"privileges; pick {_OTHER_PORT}") from e
-    raise StartupError(f"http.host: cannot listen on {host!r} ({e.strerror}): not an address of this "
-                       f"machine; use 127.0.0.1, 0.0.0.0 or one of its addresses (--host)") from e
-
-
-def proxy_start_error(host: str, port: int, error: Exception) -> StartupError:
-    """What ``serve.start`` failing means: the port taken since :func:`check_port` (Ray's own
-    processes pick ephemeral ports as they start), or, with the port free, the proxy itself failed
-    (Serve kills and replaces a proxy that misses its readiness checks, e.g. on an overloaded
-    machine); saying "port taken" then sent users looking for another server."""
-    if _bind_error(host, port) is not None:
-        return StartupError(f"http: Serve's proxy cannot listen on {host}:{port} ({type(error).__name__}); "
-                            f"pick {_OTHER_PORT}")
-    first_line = (str(error).strip().splitlines() or [""])[0][:300]
-    return StartupError(f"http: Serve's proxy did not start on {host}:{port}, which is free ({type(error).__name__}"
-                        f"{': ' + first_line if first_line else ''}); Serve replaces a proxy that misses its "
-                        f"readiness checks, as on an overloaded machine: see the log above, and retry")
 
 
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
@@ -148,6 +104,7 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     resolve_paths(config, base or Path.cwd())
     check_experts(config, config.engine.check_checkpoints("engine."))
     if address is None:  # on a cluster the proxies listen on the cluster's nodes, not here
+        claim_port(config.http.port)  # before the check: a server starting at the same moment loses here
         check_port(config.http.host, config.http.port)
         # Here too (not only in the replicas): the embedded start runs every replica on this machine.
         check_device_present(config.engine.device, "engine.device")
@@ -173,10 +130,30 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     try:
         serve.run(bind_app(msgspec.structs.replace(config, http=http)), name=APP_NAME, route_prefix="/", blocking=False)
     except RuntimeError as e:  # Serve's DEPLOY_FAILED: a replica's constructor failed three times
-        raise StartupError(f"the application did not deploy ({e}); the replicas' errors are in the log above") from e
+        raise StartupError(f"the application did not deploy: {_replica_errors() or e}; the replicas' "
+                           f"tracebacks are in the log above") from e
     url = f"http://{config.http.host}:{config.http.port}"
     _wait_healthy(url, wait_ready_s)
     return url
+
+
+def _replica_errors() -> str:
+    """Each failed deployment's error, as the last line of its Serve status message (the replica
+    constructor's exception, e.g. a checkpoint tensor of the wrong shape): the operator's answer,
+    which otherwise sat three times in a few hundred lines of Ray tracebacks. Empty if Serve's
+    status cannot be read."""
+    from ray import serve
+
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments
+    except Exception:  # best effort: the generic message still stands
+        return ""
+    errors = []
+    for name, d in deployments.items():
+        lines = [line.strip() for line in (d.message or "").splitlines() if line.strip()]
+        if str(d.status).endswith("DEPLOY_FAILED") and lines:
+            errors.append(f"{name}: {lines[-1].removeprefix('engine.errors.')}")
+    return "; ".join(errors)
 
 
 def build_app(args: dict):
@@ -244,6 +221,7 @@ def stop(drain_timeout_s: float = SHUTDOWN_DRAIN_TIMEOUT_S) -> None:
         ray.shutdown()
         if owns_ray:
             kill_leftover_ray_processes()
+        release_ports()
 
 
 def stop_or_force() -> None:
@@ -320,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, StartupError) as e:
         print(f"specmoe: cannot start: {e}", file=sys.stderr)
         _stop_if_started()
+        release_ports()
         return 2
     except (KeyboardInterrupt, SystemExit):
         print("specmoe: interrupted while starting; shutting down")

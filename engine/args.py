@@ -8,11 +8,19 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from engine.checkpoint import CheckpointReader
 from engine.drafters.base import Drafter, NoneDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import ConfigError
 from engine.field_types import check_field_types
-from engine.loader import LoadedModel, auto_dtype, check_device_kind, load_model, resolve_dtype
+from engine.loader import (
+    LoadedModel,
+    auto_dtype,
+    check_device_kind,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+)
 from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.scheduler import SchedulerConfig
 from engine.spec_controller import SpeculativePolicy
@@ -109,15 +117,19 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.dtype = auto_dtype(self.model)
 
     def check_checkpoints(self, section: str = "") -> ModelConfig:
-        """The named checkpoints' configs (config.json files only, no weights) against this config:
-        the target's and the draft's parse, they share a vocabulary, an EAGLE-3 head fits the
-        target, ``max_model_len`` fits the target's window; a ``dtype`` of "auto" is resolved. A
-        start-up calls this so a mismatch is one error, not a failure in every replica that loads
-        the models. Returns the target's config (for the start-up's other checks). ``section``:
-        the field path's prefix in messages (``"engine."`` in a serve config).
+        """The named checkpoints against this config, without loading weights: the target's and
+        the draft's config.json parse, they share a vocabulary, an EAGLE-3 head fits the target,
+        ``max_model_len`` fits the target's window, every checkpoint's safetensors headers read,
+        and the target's tokenizer parses (unless ``skip_tokenizer_init``); a ``dtype`` of "auto"
+        is resolved. A start-up calls this so a mismatch is one error, not a failure in every
+        replica that loads the models (a truncated safetensors file or a missing tokenizer.json
+        used to fail each replica three times, after Ray and Serve had started, behind a generic
+        "did not deploy"). Returns the target's config (for the start-up's other checks).
+        ``section``: the field path's prefix in messages (``"engine."`` in a serve config).
 
         Raises:
-            CheckpointError: a missing or unparsable config.json (the file named).
+            CheckpointError: a missing or unparsable config.json, tokenizer.json or safetensors
+                file (the file named).
             ConfigError: an unsupported or mismatched checkpoint (the file and field named), or
                 ``max_model_len`` outside ``[2, max_position_embeddings]``.
         """
@@ -126,6 +138,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         target = _model_config(self.model, f"{section}model")
         self.resolve_auto_dtype()
         context_window(self.max_model_len, target.max_position_embeddings, f"{section}max_model_len")
+        CheckpointReader(self.model)  # reads every file's header: raises on a missing, truncated or corrupt one
+        if not self.skip_tokenizer_init:
+            load_tokenizer(Path(self.model))
         if self.speculative_method == "eagle3":
             from engine.model.eagle3 import load_eagle3_config
 
@@ -133,6 +148,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         elif self.speculative_method == "draft":
             draft = _model_config(self.draft_model, f"{section}draft_model")
             _check_draft_vocab(draft.vocab_size, target.vocab_size, f"{section}draft_model")
+        if self.speculative_method in ("eagle3", "draft"):
+            CheckpointReader(self.draft_model)
         return target
 
     def build_drafter(self, target: LoadedModel, max_model_len: int) -> Drafter:

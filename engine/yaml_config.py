@@ -43,10 +43,12 @@ def load_yaml(path: str | Path, schema: type[T]) -> T:
     """Read ``path`` as ``schema`` (a msgspec Struct with ``forbid_unknown_fields``).
 
     Raises:
-        ConfigError: missing file, invalid YAML (a key given twice included), an unknown field, a wrong type or an out-of-range
+        ConfigError: missing file (or a directory), invalid YAML (a key given twice included), an unknown field, a wrong type or an out-of-range
             value; the message names the file and the field path (e.g. ``$.scheduler.max_num_seqs``).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:

@@ -3,9 +3,12 @@
 import os
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -129,6 +132,39 @@ def test_bad_dtype_device_checkpoints_and_a_small_expert_byte_budget_fail_before
         assert culprit in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("checkpoint, damage, culprit", [
+    ("stdlib-moe-target", "truncate", "model.safetensors: corrupt or truncated safetensors file"),
+    ("stdlib-moe-target", "no weights", ": no *.safetensors file"),
+    ("stdlib-moe-target", "no tokenizer", ": no tokenizer.json"),
+    ("stdlib-draft", "truncate", "model.safetensors: corrupt or truncated safetensors file")])
+def test_a_damaged_checkpoint_fails_before_ray_starts_naming_the_file(tmp_path, capsys, monkeypatch, checkpoint,
+                                                                       damage, culprit):
+    """These were found by every replica after Ray and Serve had started: three tracebacks each in a
+    few hundred lines, under a last line that named no file (an operator trial, 2026-12-07)."""
+    import shutil
+
+    import actors.cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(actors.cluster, "init_ray", lambda *_: pytest.fail("Ray started"))
+    damaged = tmp_path / checkpoint
+    shutil.copytree(f"checkpoints/{checkpoint}", damaged)
+    weights = damaged / "model.safetensors"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "no weights":
+        weights.unlink()
+    else:
+        (damaged / "tokenizer.json").unlink()
+    text = open("configs/embedded.yaml").read().replace(f" checkpoints/{checkpoint}", f" {damaged}", 1)
+    text = text.replace(" checkpoints/", f" {os.getcwd()}/checkpoints/")  # the other one, from here
+    cfg = tmp_path / "damaged.yaml"
+    cfg.write_text(text)
+    assert serve_app.main(["--config", str(cfg), "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot start: {damaged}" in err and culprit in err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -164,10 +200,62 @@ def test_a_deployment_that_fails_is_a_clear_startup_error(monkeypatch, capsys):
     monkeypatch.setattr(serve, "run", failed)
     monkeypatch.setattr(serve_app, "stop", lambda *_: None)
     monkeypatch.setattr(serve_app, "_running", {})  # what the start records, left to this test
+
+    def unreadable():
+        raise RuntimeError("no controller")
+
+    monkeypatch.setattr(serve, "status", unreadable)  # Serve's status unreadable: the generic reason
     assert serve_app.main(["--config", "configs/embedded.yaml"]) == 2
     err = capsys.readouterr().err
-    assert "cannot start: the application did not deploy (Deploying application specmoe failed: " in err
+    assert "cannot start: the application did not deploy: Deploying application specmoe failed: " in err
     assert "Traceback" not in err
+    # With Serve's status, the replica's own error (its message's last line) is the reason given.
+    tensor_error = ("engine.errors.CheckpointError: /ckpt/model.safetensors: tensor 'model.embed_tokens.weight' "
+                    "has shape (4096, 128), expected (4096, 256)")
+    deployments = {
+        "verifier": SimpleNamespace(status="DeploymentStatus.DEPLOY_FAILED",
+                                    message=f"Traceback (most recent call last):\n  File \"x.py\"\n{tensor_error}\n"),
+        "ingress": SimpleNamespace(status="DeploymentStatus.HEALTHY", message="")}
+    status = SimpleNamespace(applications={"specmoe": SimpleNamespace(deployments=deployments)})
+    monkeypatch.setattr(serve, "status", lambda: status)
+    assert serve_app.main(["--config", "configs/embedded.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert ("cannot start: the application did not deploy: verifier: CheckpointError: /ckpt/model.safetensors: "
+            "tensor 'model.embed_tokens.weight' has shape (4096, 128), expected (4096, 256); the replicas' "
+            "tracebacks are in the log above") in err
+    assert "ingress" not in err and "Traceback" not in err
+
+
+def test_a_second_server_starting_at_the_same_time_on_the_port_is_refused(monkeypatch, capsys):
+    """Two `make serve` started together both passed the bind check before either proxy bound the
+    port (Serve's proxies bind with SO_REUSEPORT), and both served on it. The port's lock, held
+    here by another process (a server still starting), refuses the second; once that process is
+    gone the lock is free again."""
+    import actors.cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(actors.cluster, "init_ray", lambda *_: pytest.fail("Ray started"))
+    port = _free_port()
+    lock = Path(tempfile.gettempdir()) / f"specmoe-port-{port}.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDONLY | os.O_CREAT, 0o644)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert serve_app.main(["--config", "configs/embedded.yaml", "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"http: another specmoe server is starting or serving on port {port} on this machine" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    from actors.port_checks import _port_locks, claim_port, release_ports
+
+    claim_port(port)  # the holder's exit freed it
+    assert port in _port_locks
+    release_ports()
+    assert not _port_locks
 
 
 @pytest.mark.parametrize("cli, env, expected", [
