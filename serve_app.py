@@ -89,10 +89,11 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     to (re)install once Ray is up (``ray.init`` replaces the process's handler with its own).
 
     Raises:
-        StartupError: missing checkpoint, port in use, Ray not starting (or its cluster
-            unreachable), or the app not becoming healthy in time.
-        ConfigError, CheckpointError: checkpoints that do not fit the config or each other
-            (``EngineArgs.check_checkpoints``), a CUDA device missing here.
+        StartupError: missing checkpoint, port in use (or claimed by another specmoe server
+            starting here), Ray not starting (or its cluster unreachable), a replica failing (its
+            error named), or the app not becoming healthy in time.
+        ConfigError, CheckpointError: checkpoints that do not fit the config or each other, or
+            a damaged checkpoint file (``EngineArgs.check_checkpoints``), a CUDA device missing here.
     """
     from ray import serve
 
