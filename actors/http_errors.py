@@ -95,7 +95,8 @@ async def read_body(request: Request, timeout_s: float) -> bytes:
     included) until they closed (a slowloris trial, 2026-12-06). A body declared as anything but
     JSON (``Content-Type`` other than ``application/json`` or ``*/*+json``; none is taken as JSON)
     gets 415 before it is read, as FastAPI's JSON bodies (vLLM's) refuse it: a form-encoded
-    ``curl -d`` was parsed as JSON and answered.
+    ``curl -d`` was parsed as JSON and answered, and a ``text/plain`` POST is one that any web page
+    can send cross-site without a CORS preflight.
 
     Raises:
         ProtocolError: 415, 413 or 408 as above.
