@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
@@ -138,6 +139,9 @@ def start(config: ServeConfig, base: Path | None = None, wait_ready_s: float = 3
     return url
 
 
+_EXCEPTION_MODULE = re.compile(r"^(?:\w+\.)+(?=\w+: )")  # "engine.errors.CheckpointError: ..." -> "CheckpointError: ..."
+
+
 def _replica_errors() -> str:
     """Each failed deployment's error, as the last line of its Serve status message (the replica
     constructor's exception, e.g. a checkpoint tensor of the wrong shape): the operator's answer,
@@ -153,7 +157,7 @@ def _replica_errors() -> str:
     for name, d in deployments.items():
         lines = [line.strip() for line in (d.message or "").splitlines() if line.strip()]
         if str(d.status).endswith("DEPLOY_FAILED") and lines:
-            errors.append(f"{name}: {lines[-1].removeprefix('engine.errors.')}")
+            errors.append(f"{name}: {_EXCEPTION_MODULE.sub('', lines[-1])}")
     return "; ".join(errors)
 
 
@@ -299,7 +303,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, StartupError) as e:
         print(f"specmoe: cannot start: {e}", file=sys.stderr)
         _stop_if_started()
-        release_ports()
         return 2
     except (KeyboardInterrupt, SystemExit):
         print("specmoe: interrupted while starting; shutting down")
@@ -349,14 +352,18 @@ def ignore_sigterm_while_stopping() -> None:
 
 def _stop_if_started() -> None:
     """Shut down what a start interrupted at any point had started: Ray's processes too when the
-    interruption came inside ``ray.init`` (Ray then reports not initialized)."""
+    interruption came inside ``ray.init`` (Ray then reports not initialized), and the port's lock
+    (taken before Ray starts)."""
     from actors.cluster import kill_leftover_ray_processes
 
     ray = sys.modules.get("ray")  # an interruption inside `import ray` leaves it half imported
-    if _running or (ray is not None and getattr(ray, "is_initialized", lambda: False)()):
-        stop_or_force()  # which kills the leftovers itself
-    else:
-        kill_leftover_ray_processes()
+    try:
+        if _running or (ray is not None and getattr(ray, "is_initialized", lambda: False)()):
+            stop_or_force()  # which kills the leftovers itself
+        else:
+            kill_leftover_ray_processes()
+    finally:
+        release_ports()
 
 
 if __name__ == "__main__":
